@@ -1,0 +1,196 @@
+"""quantize(x, spec) -> QTensor and dequantize(q), for K/V tensors of shape (B, H_kv, T, D).
+
+Every granularity is lowered to one form: a view `blocks` of shape (*scale_shape, G) whose last
+dimension holds the G elements that share one scale (and zero). Statistics reduce over that last
+dimension, so a new granularity is one entry in `_LOWERINGS`.
+
+    granularity   scale/zero shape      G
+    token         (B, 1, T, 1)          H * D
+    head          (B, H, T, 1)          D
+    group (N)     (B, H, T, D // N)     N
+    channel (N)   (B, H, T // N, D)     N   (tokens)
+
+Arithmetic (fp32, against the *stored* scale and zero so that the dequantizer sees what the
+quantizer used; rounding is floor(v + 0.5), which a kernel reproduces bit for bit):
+    asymmetric: zero = min, scale = (max - zero) / (2^b - 1), code = floor((x - zero) / scale + 0.5)
+                x_hat = code * scale + zero
+    symmetric:  scale = max|x| (absmax), code = floor(x / scale * qmax + 0.5) + 2^(b-1),
+                x_hat = (code - 2^(b-1)) / qmax * scale, with qmax = 2^(b-1) - 1
+A constant (or all-zero) block dequantizes exactly: scale 0 gives code 0 (asymmetric, x_hat = zero)
+or the absmax itself (symmetric). Codes are packed along D (`kvquant.packing`).
+
+Non-finite input: a block holding NaN or +-Inf gets a NaN scale and zero codes, so the whole block
+dequantizes to NaN. Bad values stay loud; they never turn into finite garbage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from .packing import pack, unpack
+from .scheme import Granularity, QuantSpec
+
+__all__ = ["QTensor", "quantize", "dequantize", "fake_quantize", "scale_shape", "sqnr_db"]
+
+
+@dataclass(frozen=True)
+class QTensor:
+    """Quantized K or V: packed codes plus per-block scale (and zero for asymmetric specs).
+
+    codes: uint8 (B, H, T, D * bits // 8), packed along D.
+    scale, zero: see the table in the module docstring; zero is None for symmetric specs.
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor | None
+    spec: QuantSpec
+    shape: torch.Size  # (B, H, T, D) of the original tensor
+    dtype: torch.dtype  # dtype that dequantize returns
+
+    @property
+    def nbytes(self) -> int:
+        zero = 0 if self.zero is None else self.zero.nbytes
+        return self.codes.nbytes + self.scale.nbytes + zero
+
+
+Lowering = tuple[Callable[[torch.Tensor, int | None], torch.Tensor], Callable[[torch.Tensor, torch.Size], torch.Tensor]]
+
+
+def _token_blocks(x: torch.Tensor, n: int | None) -> torch.Tensor:
+    b, h, t, d = x.shape
+    return x.transpose(1, 2).reshape(b, 1, t, 1, h * d)  # (B, 1, T, 1, H*D)
+
+
+def _token_unblocks(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    b, h, t, d = shape
+    return blocks.reshape(b, t, h, d).transpose(1, 2)
+
+
+def _group_blocks(x: torch.Tensor, n: int | None) -> torch.Tensor:
+    b, h, t, d = x.shape
+    return x.reshape(b, h, t, d // n, n)  # (B, H, T, D/N, N)
+
+
+def _channel_blocks(x: torch.Tensor, n: int | None) -> torch.Tensor:
+    b, h, t, d = x.shape
+    return x.reshape(b, h, t // n, n, d).transpose(-1, -2)  # (B, H, T/N, D, N)
+
+
+def _channel_unblocks(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    return blocks.transpose(-1, -2).reshape(shape)
+
+
+_LOWERINGS: dict[Granularity, Lowering] = {
+    Granularity.TOKEN: (_token_blocks, _token_unblocks),
+    Granularity.HEAD: (lambda x, n: x.unsqueeze(-2), lambda blk, shape: blk.reshape(shape)),  # (B, H, T, 1, D)
+    Granularity.GROUP: (_group_blocks, lambda blk, shape: blk.reshape(shape)),
+    Granularity.CHANNEL: (_channel_blocks, _channel_unblocks),
+}
+
+
+def scale_shape(shape: torch.Size | tuple[int, ...], spec: QuantSpec) -> tuple[int, ...]:
+    """Shape of the scale (and zero) for a (B, H, T, D) tensor quantized with `spec`."""
+    b, h, t, d = shape
+    n = spec.group_size
+    return {
+        Granularity.TOKEN: (b, 1, t, 1),
+        Granularity.HEAD: (b, h, t, 1),
+        Granularity.GROUP: (b, h, t, d // n if n else 0),
+        Granularity.CHANNEL: (b, h, t // n if n else 0, d),
+    }[spec.granularity]
+
+
+def _check(x: torch.Tensor, spec: QuantSpec) -> None:
+    if not spec.is_quantized:
+        raise ValueError("spec is fp16: there is nothing to quantize")
+    if x.dim() != 4:
+        raise ValueError(f"expected K/V of shape (B, H_kv, T, D), got {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise TypeError(f"expected a floating-point tensor, got {x.dtype}")
+    spec.check_head_dim(x.shape[-1])
+    if spec.granularity is Granularity.CHANNEL and x.shape[2] % spec.group_size:
+        raise ValueError(
+            f"channel granularity groups {spec.group_size} tokens, but T={x.shape[2]} is not a multiple; "
+            "quantize whole groups (the cache keeps an incomplete group in FP16 until it fills)"
+        )
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec) -> QTensor:
+    """Quantize x (B, H_kv, T, D) with `spec`; see the module docstring for the arithmetic."""
+    _check(x, spec)
+    to_blocks, from_blocks = _LOWERINGS[spec.granularity]
+    blocks = to_blocks(x.float(), spec.group_size)  # (*S, G)
+    finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
+    sdtype = spec.scale_dtype or x.dtype
+    if spec.symmetric:
+        scale = blocks.abs().amax(dim=-1, keepdim=True).to(sdtype)
+        s = scale.float()
+        offset = 1 << (spec.bits - 1)
+        q = torch.floor(blocks / s * spec.qmax + 0.5).clamp_(-spec.qmax, spec.qmax) + offset
+        zero = None
+    else:
+        lo, hi = blocks.aminmax(dim=-1, keepdim=True)
+        zero = lo.to(sdtype)
+        z = zero.float()
+        scale = ((hi - z) / spec.qmax).to(sdtype)
+        s = scale.float()
+        q = torch.floor((blocks - z) / s + 0.5).clamp_(0, spec.qmax)
+    q = torch.where((s > 0) & finite, q, 0.0 if not spec.symmetric else float(offset))
+    q = torch.where(finite, q, 0.0)
+    scale = torch.where(finite, scale, torch.nan)
+    codes = from_blocks(q.to(torch.uint8), x.shape)  # (B, H, T, D)
+    squeeze = -1  # the reduced G dimension
+    zero = None if zero is None else zero.squeeze(squeeze).contiguous()
+    return QTensor(
+        codes=pack(codes.contiguous(), spec.bits),
+        scale=scale.squeeze(squeeze).contiguous(),
+        zero=zero,
+        spec=spec,
+        shape=x.shape,
+        dtype=x.dtype,
+    )
+
+
+def _expand(stat: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Broadcast a scale or zero of shape `scale_shape` against (B, H, T, D)."""
+    if spec.granularity is Granularity.GROUP:
+        return stat.repeat_interleave(spec.group_size, dim=-1)
+    if spec.granularity is Granularity.CHANNEL:
+        return stat.repeat_interleave(spec.group_size, dim=2)
+    return stat  # token (B, 1, T, 1) and head (B, H, T, 1) broadcast as they are
+
+
+def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """QTensor -> tensor of q.shape, in `dtype` (default: the dtype that was quantized)."""
+    spec = q.spec
+    codes = unpack(q.codes, spec.bits, q.shape[-1]).float()  # (B, H, T, D)
+    scale = _expand(q.scale, spec).float()
+    if spec.symmetric:
+        x = (codes - (1 << (spec.bits - 1))) / spec.qmax * scale
+    else:
+        x = codes * scale + _expand(q.zero, spec).float()
+    return x.to(dtype or q.dtype)
+
+
+def fake_quantize(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """dequantize(quantize(x)); for channel specs an incomplete last token group stays as it is,
+    as the cache keeps it."""
+    if not spec.is_quantized:
+        return x
+    if spec.granularity is Granularity.CHANNEL:
+        full = x.shape[2] - x.shape[2] % spec.group_size
+        if full < x.shape[2]:
+            head = dequantize(quantize(x[:, :, :full], spec)) if full else x[:, :, :0]
+            return torch.cat([head, x[:, :, full:]], dim=2)
+    return dequantize(quantize(x, spec))
+
+
+def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 10 log10(|x|^2 / |x - x_hat|^2)."""
+    x, x_hat = x.double(), x_hat.double()
+    noise = (x - x_hat).pow(2).sum()
+    return float(10 * torch.log10(x.pow(2).sum() / noise.clamp_min(1e-300)))

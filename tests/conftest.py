@@ -1,0 +1,50 @@
+"""Shared fixtures: a tiny random Llama with GQA (fast) and the real default model (slow)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import kvquant
+
+
+def make_tiny_config(**overrides) -> LlamaConfig:
+    """2 layers, 6 query heads over 2 KV heads (GQA 3), head_dim 64, the default model's vocabulary size."""
+    kw = dict(
+        vocab_size=49152,
+        hidden_size=192,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        pad_token_id=0,
+    )
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def make_tiny_model(seed: int = 0, **overrides) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(make_tiny_config(**overrides)).eval()
+    model.set_attn_implementation(kvquant.ATTN_IMPLEMENTATION)
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> LlamaForCausalLM:
+    return make_tiny_model()
+
+
+@pytest.fixture(scope="session")
+def default_model():
+    """(model, tokenizer) of the embedded SmolLM2-135M, fp32 on the CPU."""
+    return kvquant.load_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(default_model):
+    return default_model[1]
