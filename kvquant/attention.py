@@ -10,7 +10,6 @@ model can keep this implementation whatever cache it is handed.
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 
 import torch
@@ -18,7 +17,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cache import LayerView
+from .cache import LayerView, kernels_enabled
 
 __all__ = ["ATTN_IMPLEMENTATION", "kvquant_attention", "register_attention", "use_kernels"]
 
@@ -27,17 +26,9 @@ logger = logging.getLogger(__name__)
 ATTN_IMPLEMENTATION = "kvquant"
 
 
-def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
 def use_kernels(view: LayerView, query: torch.Tensor) -> bool:
     """Whether this call goes to the Triton kernels: forced by backend="triton", or "auto" on CUDA."""
-    if view.backend == "torch":
-        return False
-    if view.backend == "triton":
-        return True
-    return query.is_cuda and _triton_available()
+    return kernels_enabled(view.backend, query.device)
 
 
 def kvquant_attention(
@@ -59,7 +50,9 @@ def kvquant_attention(
             if out is not None:
                 return out, None
         key, value = key.keys(query.dtype), key.values(query.dtype)  # (B, H_kv, T, D)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    return sdpa_attention_forward(
+        module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+    )
 
 
 def register_attention() -> None:

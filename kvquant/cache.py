@@ -16,6 +16,7 @@ reference). Unquantized tokens are kept in the dtype the model gives them (FP16 
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,10 +34,30 @@ logger = logging.getLogger(__name__)
 BACKENDS = ("auto", "triton", "torch")
 
 TensorFn = Callable[[torch.Tensor], torch.Tensor]
+Quantizer = Callable[[torch.Tensor, QuantSpec], QTensor]
+
+
+def kernels_enabled(backend: str, device: torch.device) -> bool:
+    """Whether Triton kernels serve this backend: forced by "triton", or "auto" on CUDA with triton."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
+    if backend == "triton":
+        return True
+    return backend == "auto" and device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def _quantizer_for(backend: str, device: torch.device) -> Quantizer:
+    if kernels_enabled(backend, device):
+        from .kernels.dispatch import quantize_pack  # lazy: `import kvquant` never imports triton
+
+        return quantize_pack
+    return quantize
 
 
 def _cat(a: torch.Tensor | None, b: torch.Tensor, dim: int = 2) -> torch.Tensor:
-    return b if a is None else torch.cat([a, b], dim=dim)
+    # clone: b is often a slice of the model's K/V (or of the old window); keeping the view would keep
+    # the whole tensor alive (a 4k-token prefill behind 4 sink tokens) and nbytes() would under-count it
+    return b.clone() if a is None else torch.cat([a, b], dim=dim)
 
 
 def _nbytes(t: torch.Tensor | None) -> int:
@@ -49,6 +70,7 @@ class Body:
     groups for channel-wise scales). For an fp16 spec, `dense` holds the tokens as they are."""
 
     spec: QuantSpec
+    quantizer: Quantizer = quantize  # kvquant.quantize.quantize, or the Triton quantize_pack twin
     codes: torch.Tensor | None = None  # uint8 (B, H, T, D * bits // 8)
     scale: torch.Tensor | None = None  # see kvquant.quantize.scale_shape
     zero: torch.Tensor | None = None
@@ -63,7 +85,7 @@ class Body:
         if not self.spec.is_quantized:
             self.dense = _cat(self.dense, x)
         else:
-            q = quantize(x, self.spec)
+            q = self.quantizer(x, self.spec)
             self.codes = _cat(self.codes, q.codes)
             self.scale = _cat(self.scale, q.scale)
             if q.zero is not None:
@@ -95,7 +117,7 @@ class Body:
                     f"{self.spec.group_size} tokens; crop fewer tokens or use a larger window"
                 )
             rows = num_tokens // self.spec.group_size
-        self.map(lambda t: t[:, :, :num_tokens], lambda t: t[:, :, :rows])
+        self.map(lambda t: t[:, :, :num_tokens].clone(), lambda t: t[:, :, :rows].clone())  # clone: see _cat
         self.num_tokens = num_tokens
 
     def map(self, on_tokens: TensorFn, on_rows: TensorFn | None = None) -> None:
@@ -109,6 +131,12 @@ class Body:
     @property
     def nbytes(self) -> int:
         return _nbytes(self.codes) + _nbytes(self.scale) + _nbytes(self.zero) + _nbytes(self.dense)
+
+
+_NOT_KVQUANT_ATTENTION = (
+    "a QuantizedCache layer reached an attention implementation that is not kvquant's; load the model "
+    "with kvquant.load_model(), or call model.set_attn_implementation('kvquant') (after `import kvquant`)"
+)
 
 
 @dataclass(frozen=True)
@@ -128,6 +156,15 @@ class LayerView:
     scheme: Scheme
     backend: str
     shape: torch.Size  # (B, H_kv, T, D) of everything stored
+
+    # An attention implementation other than kvquant's gets a LayerView where it expects a tensor; when
+    # the cache had no config to check up front, fail with what to do rather than a bare TypeError.
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        raise TypeError(_NOT_KVQUANT_ATTENTION)
+
+    def __getitem__(self, index):
+        raise TypeError(_NOT_KVQUANT_ATTENTION)
 
     def _materialize(self, sink, body, recent, dtype: torch.dtype) -> torch.Tensor:
         if isinstance(body, QTensor):
@@ -154,8 +191,7 @@ class QuantizedLayer(CacheLayerMixin):
     def __init__(self, scheme: Scheme | str, backend: str = "auto"):
         super().__init__()
         self.scheme = parse_scheme(scheme)
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
+        kernels_enabled(backend, torch.device("cpu"))  # validates the name
         self.backend = backend
         self._clear()
 
@@ -174,6 +210,8 @@ class QuantizedLayer(CacheLayerMixin):
         self.scheme.check_head_dim(key_states.shape[-1])
         self.device, self.dtype = key_states.device, key_states.dtype
         self.head_dim = key_states.shape[-1]
+        quantizer = _quantizer_for(self.backend, key_states.device)
+        self.key_body.quantizer = self.value_body.quantizer = quantizer
         self.is_initialized = True
 
     def update(
@@ -210,11 +248,20 @@ class QuantizedLayer(CacheLayerMixin):
         def body(b: Body):
             return b.dense if b.dense is not None else b.qtensor()
 
-        any_k = next(t for t in (self.sink_k, self.recent_k, self.key_body.dense, self.key_body.codes) if t is not None)
+        any_k = next(
+            t for t in (self.sink_k, self.recent_k, self.key_body.dense, self.key_body.codes) if t is not None
+        )
         shape = torch.Size((*any_k.shape[:2], self.get_seq_length(), self.head_dim))
         return LayerView(
-            self.sink_k, self.sink_v, body(self.key_body), body(self.value_body),
-            self.recent_k, self.recent_v, self.scheme, self.backend, shape,
+            self.sink_k,
+            self.sink_v,
+            body(self.key_body),
+            body(self.value_body),
+            self.recent_k,
+            self.recent_v,
+            self.scheme,
+            self.backend,
+            shape,
         )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -239,18 +286,21 @@ class QuantizedLayer(CacheLayerMixin):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         keep_recent = keep - self.sink_len - self.key_body.num_tokens
+        # clones: a slice would keep the cropped tokens' memory alive (see _cat)
         if keep_recent >= 0:
-            self.recent_k, self.recent_v = self.recent_k[:, :, :keep_recent], self.recent_v[:, :, :keep_recent]
+            self.recent_k = self.recent_k[:, :, :keep_recent].clone()
+            self.recent_v = self.recent_v[:, :, :keep_recent].clone()
             return
-        self.recent_k = self.recent_k[:, :, :0] if self.recent_k is not None else None
-        self.recent_v = self.recent_v[:, :, :0] if self.recent_v is not None else None
+        self.recent_k = self.recent_k[:, :, :0].clone() if self.recent_k is not None else None
+        self.recent_v = self.recent_v[:, :, :0].clone() if self.recent_v is not None else None
         keep_body = keep - self.sink_len
         if keep_body >= 0:
             self.key_body.truncate(keep_body)
             self.value_body.truncate(keep_body)
             return
-        self.key_body, self.value_body = Body(self.scheme.key), Body(self.scheme.value)
-        self.sink_k, self.sink_v = self.sink_k[:, :, :keep], self.sink_v[:, :, :keep]
+        self.key_body = Body(self.scheme.key, self.key_body.quantizer)
+        self.value_body = Body(self.scheme.value, self.value_body.quantizer)
+        self.sink_k, self.sink_v = self.sink_k[:, :, :keep].clone(), self.sink_v[:, :, :keep].clone()
 
     def _map_batch(self, fn: TensorFn) -> None:
         """Apply fn along the batch dimension of every stored tensor."""
@@ -319,15 +369,16 @@ class QuantizedCache(Cache):
 
     def __init__(self, scheme: Scheme | str, config=None, *, backend: str = "auto"):
         self.scheme = parse_scheme(scheme)
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
+        kernels_enabled(backend, torch.device("cpu"))  # validates the name
         self.backend = backend
         self._expect = _Expect()
         if config is not None:
             text = config.get_text_config() if hasattr(config, "get_text_config") else config
             head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
             self.scheme.check_head_dim(head_dim)
-            self._expect = _Expect(text.num_hidden_layers, head_dim, getattr(text, "_attn_implementation", None))
+            self._expect = _Expect(
+                text.num_hidden_layers, head_dim, getattr(text, "_attn_implementation", None)
+            )
             layers = [QuantizedLayer(self.scheme, backend) for _ in range(text.num_hidden_layers)]
             super().__init__(layers=layers)
         else:
@@ -356,4 +407,5 @@ class QuantizedCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
     def __repr__(self) -> str:
-        return f"QuantizedCache(scheme={str(self.scheme)!r}, layers={len(self.layers)}, tokens={self.get_seq_length()})"
+        scheme, n, tokens = str(self.scheme), len(self.layers), self.get_seq_length()
+        return f"QuantizedCache(scheme={scheme!r}, layers={n}, tokens={tokens})"

@@ -57,9 +57,12 @@ def _dtype_bytes(dtype: torch.dtype | int) -> int:
     return dtype if isinstance(dtype, int) else torch.empty((), dtype=dtype).element_size()
 
 
-def spec_bytes(spec: QuantSpec, num_tokens: int, heads: int, head_dim: int, dtype: torch.dtype | int = 2) -> int:
+def spec_bytes(
+    spec: QuantSpec, num_tokens: int, heads: int, head_dim: int, dtype: torch.dtype | int = 2
+) -> int:
     """Bytes one layer's K (or V) body holds for num_tokens tokens of one sequence under `spec`."""
     value_bytes = _dtype_bytes(dtype)
+    spec.check_head_dim(head_dim)
     if not spec.is_quantized:
         return num_tokens * heads * head_dim * value_bytes
     codes = num_tokens * heads * head_dim * spec.bits // 8
@@ -77,7 +80,9 @@ def bytes_per_token(config, scheme: Scheme | str, dtype: torch.dtype | int = tor
     """Steady-state bytes per token over all layers, K and V (sink and window tokens excluded)."""
     shape, scheme = KVShape.from_config(config), parse_scheme(scheme)
     n = 1024 * scheme.tokens_per_flush  # whole channel groups, so the per-token rate is exact
-    per_layer = sum(spec_bytes(s, n, shape.num_kv_heads, shape.head_dim, dtype) for s in (scheme.key, scheme.value))
+    per_layer = sum(
+        spec_bytes(s, n, shape.num_kv_heads, shape.head_dim, dtype) for s in (scheme.key, scheme.value)
+    )
     return shape.num_layers * per_layer / n
 
 
@@ -98,7 +103,9 @@ def cache_bytes(
     body = max(rest - scheme.window, 0) // step * step
     fp_tokens = sink + rest - body
     per_layer = 2 * fp_tokens * shape.num_kv_heads * shape.head_dim * _dtype_bytes(dtype)
-    per_layer += sum(spec_bytes(s, body, shape.num_kv_heads, shape.head_dim, dtype) for s in (scheme.key, scheme.value))
+    per_layer += sum(
+        spec_bytes(s, body, shape.num_kv_heads, shape.head_dim, dtype) for s in (scheme.key, scheme.value)
+    )
     return batch * shape.num_layers * per_layer
 
 

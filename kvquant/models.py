@@ -8,6 +8,7 @@ read that copy (under a second).
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
@@ -19,7 +20,7 @@ import torch
 
 from .attention import ATTN_IMPLEMENTATION
 
-__all__ = ["DEFAULT_GGUF", "default_model_dir", "load_model", "cache_root"]
+__all__ = ["DEFAULT_GGUF", "default_model_dir", "load_model", "cache_root", "copy_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +58,18 @@ def _from_pretrained(folder: Path, gguf_file: str | None, dtype: torch.dtype, at
     return model, tokenizer
 
 
+def copy_dir(gguf: Path, dtype: torch.dtype) -> Path:
+    """Where the safetensors copy of `gguf` lives: named by the file's path, size and modification
+    time, so a replaced or different file of the same name never loads a stale copy."""
+    gguf = gguf.resolve()
+    st = gguf.stat()
+    key = hashlib.sha1(f"{gguf}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
+    return cache_root() / f"{gguf.stem}-{str(dtype).removeprefix('torch.')}-{key}"
+
+
 def _dequantized_copy(gguf: Path, dtype: torch.dtype) -> Path:
     """A safetensors copy of a GGUF model in the cache folder, made once (atomically)."""
-    dest = cache_root() / f"{gguf.stem}-{str(dtype).removeprefix('torch.')}"
+    dest = copy_dir(gguf, dtype)
     if (dest / "config.json").is_file():
         return dest
     logger.info("dequantizing %s once (about 20 s); the copy goes to %s", gguf.name, dest)

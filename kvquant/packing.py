@@ -38,7 +38,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     pad = (-n) % per
     if pad:
         codes = torch.nn.functional.pad(codes, (0, pad))
-    codes = codes.reshape(*codes.shape[:-1], -1, per)  # (..., n_bytes, per)
+    codes = codes.reshape(*codes.shape[:-1], (n + pad) // per, per)  # (..., n_bytes, per); no -1: 0-size dims
     out = codes[..., 0].clone()
     for i in range(1, per):
         out |= codes[..., i] << (bits * i)

@@ -11,7 +11,10 @@ dimension, so a new granularity is one entry in `_LOWERINGS`.
     channel (N)   (B, H, T // N, D)     N   (tokens)
 
 Arithmetic (fp32, against the *stored* scale and zero so that the dequantizer sees what the
-quantizer used; rounding is floor(v + 0.5), which a kernel reproduces bit for bit):
+quantizer used; rounding is floor(v + 0.5), which a kernel reproduces bit for bit). Stored in a
+narrower dtype, the zero is rounded down and the scale up (to the next representable value when
+round-to-nearest fell short), so the stored range always covers the block and no element is
+clipped: every element is within half a step of its value.
     asymmetric: zero = min, scale = (max - zero) / (2^b - 1), code = floor((x - zero) / scale + 0.5)
                 x_hat = code * scale + zero
     symmetric:  scale = max|x| (absmax), code = floor(x / scale * qmax + 0.5) + 2^(b-1),
@@ -19,8 +22,9 @@ quantizer used; rounding is floor(v + 0.5), which a kernel reproduces bit for bi
 A constant (or all-zero) block dequantizes exactly: scale 0 gives code 0 (asymmetric, x_hat = zero)
 or the absmax itself (symmetric). Codes are packed along D (`kvquant.packing`).
 
-Non-finite input: a block holding NaN or +-Inf gets a NaN scale and zero codes, so the whole block
-dequantizes to NaN. Bad values stay loud; they never turn into finite garbage.
+Non-finite input: a block holding NaN or +-Inf, or whose scale or zero overflows the scale dtype
+(|x| > 65504 with fp16 scales), gets a NaN scale and zero codes, so the whole block dequantizes to NaN.
+Bad values stay loud; they never turn into finite garbage.
 """
 
 from __future__ import annotations
@@ -57,7 +61,9 @@ class QTensor:
         return self.codes.nbytes + self.scale.nbytes + zero
 
 
-Lowering = tuple[Callable[[torch.Tensor, int | None], torch.Tensor], Callable[[torch.Tensor, torch.Size], torch.Tensor]]
+Lowering = tuple[
+    Callable[[torch.Tensor, int | None], torch.Tensor], Callable[[torch.Tensor, torch.Size], torch.Tensor]
+]
 
 
 def _token_blocks(x: torch.Tensor, n: int | None) -> torch.Tensor:
@@ -86,7 +92,10 @@ def _channel_unblocks(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
 
 _LOWERINGS: dict[Granularity, Lowering] = {
     Granularity.TOKEN: (_token_blocks, _token_unblocks),
-    Granularity.HEAD: (lambda x, n: x.unsqueeze(-2), lambda blk, shape: blk.reshape(shape)),  # (B, H, T, 1, D)
+    Granularity.HEAD: (
+        lambda x, n: x.unsqueeze(-2),
+        lambda blk, shape: blk.reshape(shape),
+    ),  # (B, H, T, 1, D)
     Granularity.GROUP: (_group_blocks, lambda blk, shape: blk.reshape(shape)),
     Granularity.CHANNEL: (_channel_blocks, _channel_unblocks),
 }
@@ -119,6 +128,20 @@ def _check(x: torch.Tensor, spec: QuantSpec) -> None:
         )
 
 
+def _round(t: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """fp32 t -> dtype, rounded up (or down) so that the stored statistic still covers t: a scale
+    rounded down (bf16 keeps 8 bits) would clip the block's largest values by up to qmax * 2^-8 steps."""
+    r = t.to(dtype)
+    off = r.float() < t if up else r.float() > t
+    return torch.where(off, torch.nextafter(r, torch.full_like(r, float("inf") if up else float("-inf"))), r)
+
+
+def _round_up_to_cover(scale: torch.Tensor, span: torch.Tensor, qmax: int) -> torch.Tensor:
+    """One more step up where scale * qmax, computed in fp32, still falls short of the span."""
+    short = scale.float() * qmax < span
+    return torch.where(short, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
+
+
 def quantize(x: torch.Tensor, spec: QuantSpec) -> QTensor:
     """Quantize x (B, H_kv, T, D) with `spec`; see the module docstring for the arithmetic."""
     _check(x, spec)
@@ -127,18 +150,21 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> QTensor:
     finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
     sdtype = spec.scale_dtype or x.dtype
     if spec.symmetric:
-        scale = blocks.abs().amax(dim=-1, keepdim=True).to(sdtype)
+        scale = _round(blocks.abs().amax(dim=-1, keepdim=True), sdtype, up=True)
         s = scale.float()
         offset = 1 << (spec.bits - 1)
         q = torch.floor(blocks / s * spec.qmax + 0.5).clamp_(-spec.qmax, spec.qmax) + offset
         zero = None
     else:
         lo, hi = blocks.aminmax(dim=-1, keepdim=True)
-        zero = lo.to(sdtype)
+        zero = _round(lo, sdtype, up=False)
         z = zero.float()
-        scale = ((hi - z) / spec.qmax).to(sdtype)
+        scale = _round((hi - z) / spec.qmax, sdtype, up=True)
+        scale = _round_up_to_cover(scale, hi - z, spec.qmax)
         s = scale.float()
         q = torch.floor((blocks - z) / s + 0.5).clamp_(0, spec.qmax)
+    # a finite block whose statistic overflows the scale dtype (1e5 in an fp16 scale) is poisoned too
+    finite &= torch.isfinite(s) if zero is None else torch.isfinite(s) & torch.isfinite(z)
     q = torch.where((s > 0) & finite, q, 0.0 if not spec.symmetric else float(offset))
     q = torch.where(finite, q, 0.0)
     scale = torch.where(finite, scale, torch.nan)

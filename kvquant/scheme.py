@@ -80,10 +80,20 @@ class QuantSpec:
     def __post_init__(self) -> None:
         if self.bits not in BITS:
             raise SchemeError(f"bits={self.bits} is not supported; use one of {BITS}")
-        object.__setattr__(self, "granularity", Granularity(self.granularity))
+        try:
+            object.__setattr__(self, "granularity", Granularity(self.granularity))
+        except ValueError:
+            known = ", ".join(g.value for g in Granularity)
+            raise SchemeError(f"unknown granularity {self.granularity!r}; known: {known}") from None
         if self.bits == 16:
-            if self.group_size is not None or self.granularity is not Granularity.TOKEN:
-                raise SchemeError("fp16 takes no granularity or group size")
+            # anything else would print as `fp16` and parse back as a different spec
+            if (
+                self.group_size is not None
+                or self.granularity is not Granularity.TOKEN
+                or self.symmetric
+                or self.scale_dtype is not None
+            ):
+                raise SchemeError("fp16 takes no granularity, group size, symmetry or scale dtype")
             return
         needs_group = self.granularity in (Granularity.GROUP, Granularity.CHANNEL)
         if needs_group and (self.group_size is None or self.group_size < 1):
@@ -95,7 +105,9 @@ class QuantSpec:
         if not needs_group and self.group_size is not None:
             raise SchemeError(f"{self.granularity.value} granularity takes no group size")
         if self.scale_dtype is not None and self.scale_dtype not in _DTYPE_NAMES:
-            raise SchemeError(f"scale_dtype {self.scale_dtype} is not supported; use one of {list(SCALE_DTYPES)}")
+            raise SchemeError(
+                f"scale_dtype {self.scale_dtype} is not supported; use one of {list(SCALE_DTYPES)}"
+            )
 
     @property
     def is_quantized(self) -> bool:
@@ -165,8 +177,14 @@ class Scheme:
 
 _SPEC_RE = re.compile(r"^int(?P<bits>\d+)(?P<opts>(-[a-z0-9]+)*)$")
 _PRESET_DEFS: dict[str, tuple[str, str]] = {
-    "kivi-4": ("k=int4-channel-g32,v=int4-g32,window=128", "KIVI 4-bit: K per channel, V per token group, 128 FP"),
-    "kivi-2": ("k=int2-channel-g32,v=int2-g32,window=128", "KIVI 2-bit: K per channel, V per token group, 128 FP"),
+    "kivi-4": (
+        "k=int4-channel-g32,v=int4-g32,window=128",
+        "KIVI 4-bit: K per channel, V per token group, 128 FP",
+    ),
+    "kivi-2": (
+        "k=int2-channel-g32,v=int2-g32,window=128",
+        "KIVI 2-bit: K per channel, V per token group, 128 FP",
+    ),
 }
 EXAMPLES: dict[str, str] = {
     "fp16": "no quantization (the baseline)",
@@ -189,6 +207,16 @@ def _spec_error(text: str, why: str) -> SchemeError:
     )
 
 
+def _option_kind(opt: str) -> str | None:
+    if opt in ("head", "channel") or re.fullmatch(r"g\d+", opt):
+        return "granularity"
+    if opt in ("sym", "asym"):
+        return "symmetry"
+    if opt.startswith("s") and opt[1:] in SCALE_DTYPES:
+        return "scale dtype"
+    return None
+
+
 def parse_spec(text: str) -> QuantSpec:
     """Parse one K or V spec such as `int4-g64` or `int4-channel-g64-sym`."""
     text = text.strip().lower()
@@ -202,9 +230,14 @@ def parse_spec(text: str) -> QuantSpec:
         raise _spec_error(text, f"int{bits} is not supported (bits must be 8, 4 or 2)")
     opts = [o for o in m["opts"].split("-") if o]
     granularity, group_size, symmetric, scale_dtype = Granularity.TOKEN, None, None, None
+    seen: dict[str, str] = {}  # option kind -> the option given, to refuse a second one of a kind
     i = 0
     while i < len(opts):
         opt = opts[i]
+        kind = _option_kind(opt)
+        if kind is not None and kind in seen:
+            raise _spec_error(text, f"-{opt} conflicts with -{seen[kind]} (one {kind} option at most)")
+        seen[kind] = opt
         if opt == "head":
             granularity = Granularity.HEAD
         elif opt == "channel":
@@ -284,7 +317,9 @@ def parse_scheme(text: str | Scheme) -> Scheme:
         try:
             if not eq:
                 if both is not None:
-                    raise _scheme_error(text, f"two specs {both} and {item!r}; use k=...,v=... for different K and V")
+                    raise _scheme_error(
+                        text, f"two specs {both} and {item!r}; use k=...,v=... for different K and V"
+                    )
                 both = parse_spec(item) if item not in _PRESET_DEFS else None
                 if both is None:
                     raise _scheme_error(text, f"preset {item!r} cannot be combined with other items")

@@ -1,0 +1,26 @@
+# kvquant: `make run` sets up and runs the main job; `make test` sets up and runs the tests.
+PY := .venv/bin/python
+SCHEME ?= int4-g64
+
+.PHONY: setup run quick test test-fast lint gpu-check
+
+setup:
+	./setup.sh
+
+run: setup
+	$(PY) experiments/run.py --scheme $(SCHEME)
+
+quick: setup
+	$(PY) experiments/run.py --scheme $(SCHEME) --quick
+
+test: setup
+	$(PY) -m pytest -q tests
+
+test-fast: setup
+	$(PY) -m pytest -q tests -m "not slow"
+
+lint: setup
+	$(PY) -m ruff check kvquant kernels eval experiments benchmarks tests
+
+gpu-check: setup
+	bash benchmarks/gpu_check.sh

