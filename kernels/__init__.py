@@ -1,7 +1,7 @@
 """Triton kernels for the quantized KV cache; each has a PyTorch `_ref` twin in the same module.
 
     quantize_pack       quantize + pack new K/V tokens (bit-exact with kvquant.quantize.quantize)
-    decode_attention    flash-decoding over sink | packed body | recent, GQA, per-sequence ranges
+    decode_attention    flash-decoding over sink | packed body | recent, GQA, bool key masks
     dispatch            the entry points the cache and attention call (with fallbacks)
 
 Importing this package imports triton; `import kvquant` never imports it (kvquant loads

@@ -11,8 +11,11 @@ computes an unnormalized partial (running max m, sum l, accumulator acc) for one
 ones read the FP tokens (sink then recent) so each program has one load path. GQA: one program serves
 all H_q / H_kv query heads of its KV head, so every K/V byte is read once per step.
 
-Per-sequence valid ranges (left padding in a batch): token i of sequence b is attended iff
-kv_start[b] <= i < kv_end[b] (positions in sink | body | recent order).
+Masking (left padding in a batch, or any pattern): key_mask (B, T) bool, True = attend, with positions
+in sink | body | recent order. Each program loads the mask bytes of its token block and ANDs them into
+the block's valid lanes, so K/V bytes of masked tokens are not read and nothing is checked on the host
+(no device->host sync). A sequence with no attended token gets a zero output, as torch SDPA's math path
+gives for an all-False bool mask row (both twins agree).
 """
 
 from __future__ import annotations
@@ -120,13 +123,13 @@ def _decode_split_kernel(
     rec_k_ptr, rec_v_ptr, s_rkb, s_rkh, s_rkt, s_rkd, s_rvb, s_rvh, s_rvt, s_rvd,
     kc_ptr, ks_ptr, kz_ptr, s_kcb, s_kch, s_kct, s_kcd, s_ksb, s_ksh, s_kst, s_ksd,
     vc_ptr, vs_ptr, vz_ptr, s_vcb, s_vch, s_vct, s_vcd, s_vsb, s_vsh, s_vst, s_vsd,
-    start_ptr, end_ptr,
+    mask_ptr, s_mb, s_mt,  # key_mask (B, T) as uint8; s_mb = 0 for a broadcast (1, T) mask
     m_ptr, l_ptr, acc_ptr,  # partials (B * H_kv, NSPLIT, G_PAD[, D]), contiguous fp32
     H_KV, S, T_BODY, R, N_BODY_SPLITS, NSPLIT, BODY_CHUNK, FP_CHUNK, qk_scale,
     G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
     K_BITS: tl.constexpr, K_SYM: tl.constexpr, K_TN: tl.constexpr, K_DN: tl.constexpr,
     V_BITS: tl.constexpr, V_SYM: tl.constexpr, V_TN: tl.constexpr, V_DN: tl.constexpr,
-    HAS_RANGE: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_MASK: tl.constexpr, DOT_FP32: tl.constexpr,
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -138,24 +141,21 @@ def _decode_split_kernel(
     offs_t = tl.arange(0, BLOCK_T)
     q_ptrs = q_ptr + b64 * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :] * sq_d
     q = tl.load(q_ptrs, mask=offs_g[:, None] < G, other=0.0)  # (G_PAD, D): the query heads of KV head h
-    if HAS_RANGE:
-        start = tl.load(start_ptr + b)
-        end = tl.load(end_ptr + b)
-    else:
-        start = 0
-        end = S + T_BODY + R
+    mask_row = mask_ptr + b64 * s_mb
     cdt = q.dtype
 
     m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D), tl.float32)
     if split < N_BODY_SPLITS:
-        # body tokens [lo, hi), clipped to the valid range (body token i is position S + i)
-        lo = tl.maximum(split * BODY_CHUNK, start - S)
-        hi = tl.minimum(split * BODY_CHUNK + BODY_CHUNK, tl.minimum(T_BODY, end - S))
+        # body tokens [lo, hi); body token i is position S + i
+        lo = split * BODY_CHUNK
+        hi = tl.minimum(lo + BODY_CHUNK, T_BODY)
         for t0 in tl.range(lo, hi, BLOCK_T):
             t = t0 + offs_t
             valid = t < hi
+            if HAS_MASK:
+                valid = valid & (tl.load(mask_row + (S + t) * s_mt, mask=valid, other=0) != 0)
             k = _load_body(kc_ptr, ks_ptr, kz_ptr, s_kcb, s_kch, s_kct, s_kcd, s_ksb, s_ksh, s_kst, s_ksd,
                            b64, h, t, valid, offs_d, D, BLOCK_T, K_BITS, K_SYM, K_TN, K_DN, cdt)
             v = _load_body(vc_ptr, vs_ptr, vz_ptr, s_vcb, s_vch, s_vct, s_vcd, s_vsb, s_vsh, s_vst, s_vsd,
@@ -170,7 +170,9 @@ def _decode_split_kernel(
             u = u0 + offs_t
             in_sink = u < S
             pos = tl.where(in_sink, u, u + T_BODY)
-            valid = (u < hi) & (pos >= start) & (pos < end)
+            valid = u < hi
+            if HAS_MASK:
+                valid = valid & (tl.load(mask_row + pos * s_mt, mask=valid, other=0) != 0)
             r = tl.where(in_sink, 0, u - S)
             su = tl.where(in_sink, u, 0)
             ks = sink_k_ptr + b64 * s_skb + h * s_skh + su[:, None] * s_skt + offs_d[None, :] * s_skd
@@ -269,7 +271,22 @@ def _num_splits(bh: int, t_body: int, block_t: int, device: torch.device) -> int
     return max(1, min(want, triton.cdiv(t_body, 4 * block_t)))
 
 
-def _launch(query, sink_k, sink_v, key_body, value_body, recent_k, recent_v, scaling, kv_start, kv_end,
+def _mask_arg(key_mask: torch.Tensor | None, bsz: int, total: int, like: torch.Tensor):
+    """(mask as uint8, stride_b, stride_t, HAS_MASK) for the split kernel; a dummy pointer when None."""
+    if key_mask is None:
+        return like, 0, 0, False
+    if key_mask.dtype != torch.bool:
+        raise TypeError(f"decode_attention: key_mask must be bool (True = attend), got {key_mask.dtype}")
+    if key_mask.dim() != 2 or key_mask.shape[0] not in (1, bsz) or key_mask.shape[1] != total:
+        raise ValueError(f"decode_attention: key_mask must be (B={bsz} or 1, T={total}), "
+                         f"got {tuple(key_mask.shape)}")
+    if key_mask.device != like.device:
+        raise ValueError(f"decode_attention: key_mask is on {key_mask.device}, query on {like.device}")
+    m = key_mask.expand(bsz, total).view(torch.uint8)  # a view: (1, T) -> stride 0 along B, no copy
+    return m, m.stride(0), m.stride(1), True
+
+
+def _launch(query, sink_k, sink_v, key_body, value_body, recent_k, recent_v, scaling, key_mask,
             num_splits, block_t, num_warps):
     if query.dim() != 4 or query.shape[2] != 1:
         raise ValueError(f"decode_attention: query must be (B, H_q, 1, D), got {tuple(query.shape)}")
@@ -331,16 +348,7 @@ def _launch(query, sink_k, sink_v, key_body, value_body, recent_k, recent_v, sca
     n_fp = triton.cdiv(s_len + r_len, fp_chunk)
     nsplit = n_body + n_fp
 
-    has_range = kv_start is not None or kv_end is not None
-    if has_range:
-        kv_start = torch.zeros(bsz, dtype=torch.int32, device=query.device) if kv_start is None else kv_start
-        if kv_end is None:
-            kv_end = torch.full((bsz,), total, dtype=torch.int32, device=query.device)
-        if kv_start.shape != (bsz,) or kv_end.shape != (bsz,):
-            raise ValueError("decode_attention: kv_start and kv_end must have shape (B,)")
-        kv_start, kv_end = kv_start.to(torch.int32).contiguous(), kv_end.to(torch.int32).contiguous()
-    else:
-        kv_start = kv_end = torch.empty(1, dtype=torch.int32, device=query.device)
+    mask, s_mb, s_mt, has_mask = _mask_arg(key_mask, bsz, total, query)
 
     scale = (1.0 / math.sqrt(d)) if scaling is None else float(scaling)
     dot_fp32 = query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and _interpreting())
@@ -360,13 +368,13 @@ def _launch(query, sink_k, sink_v, key_body, value_body, recent_k, recent_v, sca
         *_fp_args(parts["sink_k"], parts["sink_v"], query),
         *_fp_args(parts["recent_k"], parts["recent_v"], query),
         *kb_t, *vb_t,
-        kv_start, kv_end,
+        mask, s_mb, s_mt,
         m, l_, acc,
         h_kv, s_len, t_body, r_len, n_body, nsplit, body_chunk, fp_chunk, scale * _LOG2E,
         G=g, G_PAD=g_pad, D=d, BLOCK_T=block_t,
         K_BITS=kb[11], K_SYM=kb[12], K_TN=kb[13], K_DN=kb[14],
         V_BITS=vb[11], V_SYM=vb[12], V_TN=vb[13], V_DN=vb[14],
-        HAS_RANGE=has_range, DOT_FP32=dot_fp32,
+        HAS_MASK=has_mask, DOT_FP32=dot_fp32,
         num_warps=num_warps,
     )
     o3 = out[:, 0]  # (B, H_q, D)
@@ -389,8 +397,7 @@ def decode_attention(
     recent_k: torch.Tensor | None,
     recent_v: torch.Tensor | None,
     scaling: float | None = None,
-    kv_start: torch.Tensor | None = None,
-    kv_end: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
     block_t: int = 64,
@@ -403,12 +410,14 @@ def decode_attention(
     key_body/value_body: QTensor of (B, H_kv, T_b, D) (any bits and granularity), a dense float
         (B, H_kv, T_b, D) tensor (fp16 spec), or None; both present or both absent, same T_b.
     scaling: softmax scale; None = 1/sqrt(D).
-    kv_start, kv_end: (B,) int, the valid positions [start, end) in sink | body | recent order (left
-        padding); None = all. num_splits: body splits per (sequence, KV head); None = fill the GPU.
+    key_mask: (B, T) or (1, T) bool, T = S + T_b + R, True = attend, positions in sink | body | recent
+        order; any pattern (left padding, holes); any strides (an expanded view is read in place);
+        None = every token. num_splits: body splits per (sequence, KV head); None = fill the GPU.
     Returns (B, 1, H_q, D) in query's dtype (the layout transformers' attention functions return).
+    A sequence whose mask row is all False gets zeros (torch SDPA's math path does the same), not NaN.
     K/V are dequantized in fp32, rounded to query's dtype, and multiplied with fp32 accumulation.
     """
-    return _launch(query, sink_k, sink_v, key_body, value_body, recent_k, recent_v, scaling, kv_start, kv_end,
+    return _launch(query, sink_k, sink_v, key_body, value_body, recent_k, recent_v, scaling, key_mask,
                    num_splits, block_t, num_warps)
 
 
@@ -427,8 +436,7 @@ def decode_attention_ref(
     recent_k: torch.Tensor | None,
     recent_v: torch.Tensor | None,
     scaling: float | None = None,
-    kv_start: torch.Tensor | None = None,
-    kv_end: torch.Tensor | None = None,
+    key_mask: torch.Tensor | None = None,
     *,
     upcast: bool = False,
     **unused,
@@ -437,6 +445,7 @@ def decode_attention_ref(
 
     upcast=False computes in query's dtype, with K/V dequantized to it (what the PyTorch path does);
     upcast=True computes everything in fp32 from K/V dequantized straight to fp32 (the accuracy yardstick).
+    A sequence with an all-False key_mask row gets zeros, as from the kernel.
     """
     dtype = torch.float32 if upcast else query.dtype
     keys = [_dense(p, dtype) for p in (sink_k, key_body, recent_k) if p is not None]
@@ -447,12 +456,10 @@ def decode_attention_ref(
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (B, H_q, T, D)
     scale = (1.0 / math.sqrt(d)) if scaling is None else scaling
     scores = (query.to(dtype) @ k.transpose(-1, -2)).float() * scale  # (B, H_q, 1, T)
-    pos = torch.arange(k.shape[2], device=query.device)
     valid = torch.ones(bsz, k.shape[2], dtype=torch.bool, device=query.device)
-    if kv_start is not None:
-        valid &= pos[None] >= kv_start.to(query.device)[:, None]
-    if kv_end is not None:
-        valid &= pos[None] < kv_end.to(query.device)[:, None]
+    if key_mask is not None:
+        valid = valid & key_mask.to(query.device)  # (B or 1, T) broadcasts
     scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(dtype)
+    probs = torch.softmax(scores, dim=-1)  # NaN on an all-False row: 0/0
+    probs = probs.masked_fill(~valid.any(dim=1)[:, None, None, None], 0.0).to(dtype)
     return (probs @ v).transpose(1, 2)  # (B, 1, H_q, D)

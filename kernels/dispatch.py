@@ -11,7 +11,6 @@ reference path. Kernels run where Triton can: CUDA tensors, or any tensor under 
 from __future__ import annotations
 
 import os
-import weakref
 
 import torch
 
@@ -21,7 +20,7 @@ from kvquant.scheme import QuantSpec
 from .decode_attention import decode_attention
 from .quantize_pack import quantize_pack as _quantize_pack_kernel
 
-__all__ = ["quantize_pack", "fused_attention", "decode_ranges"]
+__all__ = ["quantize_pack", "fused_attention"]
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -37,52 +36,14 @@ def quantize_pack(x: torch.Tensor, spec: QuantSpec) -> QTensor:
     return _quantize_pack_kernel(x, spec)
 
 
-# The mask of one forward pass is one tensor shared by every layer: remember the last one's ranges so
-# the check below (which needs a device->host sync) runs once per step, not once per layer.
-_last_mask: tuple[weakref.ref, int, int, tuple | None] | None = None
-
-
-def decode_ranges(
-    attention_mask: torch.Tensor | None, batch: int, kv_len: int
-) -> tuple[torch.Tensor | None, torch.Tensor | None] | None:
-    """A decode mask -> (kv_start, kv_end), each (B,) int32, or (None, None) when every token is attended.
-
-    attention_mask: None, or bool (B or 1, 1, 1, >= kv_len) with True = attend (transformers' sdpa_mask);
-    only its first kv_len columns count, as in transformers' SDPA path. Returns None when the mask is
-    not one contiguous run of True per sequence (or not of this form): the kernels cannot serve it.
-    """
-    global _last_mask
-    if attention_mask is None:
-        return None, None
-    m = attention_mask
-    if m.dtype != torch.bool or m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != 1:
-        return None
-    if m.shape[0] not in (1, batch) or m.shape[3] < kv_len:
-        return None
-    cached = _last_mask
-    if cached is not None and cached[0]() is m and cached[1] == m._version and cached[2] == kv_len:
-        ranges = cached[3]
-    else:
-        rows = m[:, 0, 0, :kv_len].expand(batch, kv_len)  # (B, T)
-        pos = torch.arange(kv_len, device=m.device)
-        start = rows.int().argmax(dim=1)
-        end = kv_len - rows.flip(1).int().argmax(dim=1)
-        run = (pos[None] >= start[:, None]) & (pos[None] < end[:, None]) & rows.any(dim=1, keepdim=True)
-        if not torch.equal(run, rows):  # the one sync
-            ranges = None
-        elif bool(rows.all()):
-            ranges = (None, None)
-        else:
-            ranges = (start.to(torch.int32), end.to(torch.int32))
-        _last_mask = (weakref.ref(m), m._version, kv_len, ranges)
-    return ranges
-
-
 def fused_attention(query: torch.Tensor, view, attention_mask: torch.Tensor | None, scaling: float | None):
     """Attention of query (B, H_q, q, D) over a `kvquant.cache.LayerView`; (B, q, H_q, D) or None.
 
-    Served: decode (q == 1), fp16/bf16/fp32, head_dim a power of two >= 16, masks that give each sequence
-    one contiguous valid range (left padding). Anything else returns None (the caller's reference path).
+    Served: decode (q == 1), fp16/bf16/fp32, head_dim a power of two >= 16, attention_mask None or bool
+    (B or 1, 1, 1, >= T) with True = attend (transformers' sdpa_mask), any pattern; only its first T
+    columns count (a mask sized for a longer buffer). Anything else (float masks, other shapes) returns
+    None (the caller's reference path). The mask goes to the kernel as a view, never looked at here, so
+    nothing syncs with the device. A sequence with no attended token gets zeros, as SDPA's math path gives.
     """
     if query.dim() != 4 or query.shape[2] != 1 or query.dtype not in _FLOAT:
         return None
@@ -92,10 +53,15 @@ def fused_attention(query: torch.Tensor, view, attention_mask: torch.Tensor | No
     if d < 16 or d & (d - 1):
         return None
     kv_len = view.shape[2]
-    ranges = decode_ranges(attention_mask, b, kv_len)
-    if ranges is None:
-        return None
+    key_mask = None
+    if attention_mask is not None:
+        m = attention_mask
+        if m.dtype != torch.bool or m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != 1:
+            return None  # an additive float mask, or rows for q > 1
+        if m.shape[0] not in (1, b) or m.shape[3] < kv_len:
+            return None
+        key_mask = m[:, 0, 0, :kv_len].expand(b, kv_len)  # (B, T); stride 0 along B for a broadcast mask
     return decode_attention(
         query, view.sink_k, view.sink_v, view.key_body, view.value_body, view.recent_k, view.recent_v,
-        scaling, *ranges,
+        scaling, key_mask,
     )

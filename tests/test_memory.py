@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_config
+from tiny_models import make_tiny_config
 
 from kvquant import memory
 from kvquant.memory import KNOWN_SHAPES, KVShape

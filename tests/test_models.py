@@ -7,7 +7,7 @@ import socket
 
 import pytest
 import torch
-from conftest import make_tiny_model
+from tiny_models import make_tiny_model
 from transformers import AutoTokenizer
 
 import kvquant

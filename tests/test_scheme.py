@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_tiny_config
 from hypothesis import given
 from hypothesis import strategies as st
+from tiny_models import make_tiny_config
 
 import kvquant
 from kvquant.scheme import (

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from kvquant.kernels.decode_attention import decode_attention, decode_attention_ref
 
-from kvquant.quantize import quantize
+from kvquant.quantize import dequantize, quantize
 from kvquant.scheme import parse_spec
 
 ATOL = {torch.float16: 2e-4, torch.bfloat16: 2e-3, torch.float32: 2e-5}
@@ -73,14 +74,51 @@ def test_parts_present_and_absent(sink, body, recent, device):
     check(args, torch.float16)
 
 
+def key_mask(kind: str, b: int, t: int, device) -> torch.Tensor:
+    """(B, T) bool, or (1, T) for "broadcast"; True = attend, positions in sink | body | recent order."""
+    m = torch.ones(b, t, dtype=torch.bool)
+    if kind == "left_padding":  # padding cuts into the sink, the body, all but the recent; a trimmed end
+        for i, (start, end) in enumerate([(0, t), (2, t), (30, t), (t - 5, t - 1)][:b]):
+            m[i, :start], m[i, end:] = False, False
+    elif kind == "holes":  # every third token, shifted per sequence, plus a run across the sink/body seam
+        for i in range(b):
+            m[i, i::3] = False
+        m[-1, 1:12] = False
+    elif kind == "broadcast":
+        m = (torch.arange(t) % 4 != 1)[None]
+    elif kind == "one_empty_row":  # sequence 1 attends to nothing: zeros, from kernel and twin alike
+        m[0, :7] = False
+        m[1] = False
+    return m.to(device)
+
+
+MASKS = ["left_padding", "holes", "broadcast", "all_true", "one_empty_row"]
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
-def test_left_padding(num_splits, device):
-    """Each sequence attends to [start, end): padding cuts into the sink, the body, or all but the recent."""
+@pytest.mark.parametrize("kind", MASKS)
+def test_key_mask(kind, num_splits, device):
+    """Any mask pattern, per sequence or broadcast, across the sink | body | recent seams and the splits."""
     args = make_layer(device, torch.float16, b=4, sink=3, body=80, recent=6, k="int4-channel-g8",
                       v="int4-g32")
-    start = torch.tensor([0, 2, 30, 84], device=device)
-    end = torch.tensor([89, 89, 89, 88], device=device)
-    check(args, torch.float16, kv_start=start, kv_end=end, num_splits=num_splits)
+    check(args, torch.float16, key_mask=key_mask(kind, 4, 89, device), num_splits=num_splits)
+
+
+def test_all_false_row_gives_zeros_as_sdpa_does(device):
+    """A sequence that attends to nothing: torch SDPA (math path) gives zeros; so do kernel and twin."""
+    args = make_layer(device, torch.float32, b=2, sink=2, body=20, recent=3, k="int8", v="int8")
+    q, sk, sv, kb, vb, rk, rv = args
+    mask = torch.zeros(2, 25, dtype=torch.bool, device=device)
+    mask[0, 3:] = True
+    keys = torch.cat([sk, dequantize(kb, torch.float32), rk], dim=2)  # (B, H_kv, T, D)
+    values = torch.cat([sv, dequantize(vb, torch.float32), rv], dim=2)
+    sdpa = F.scaled_dot_product_attention(  # on the CPU: the math path
+        q.cpu(), keys.cpu(), values.cpu(), attn_mask=mask.cpu()[:, None, None], enable_gqa=True
+    ).transpose(1, 2)  # (B, 1, H_q, D)
+    assert torch.equal(sdpa[1], torch.zeros_like(sdpa[1]))
+    for out in (decode_attention(*args, key_mask=mask), decode_attention_ref(*args, key_mask=mask)):
+        assert torch.equal(out[1].cpu(), sdpa[1])
+        torch.testing.assert_close(out.cpu(), sdpa, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("d", [128, 256])
@@ -111,3 +149,9 @@ def test_bad_inputs(device):
         decode_attention(q[..., :48], None, None, None, None, rk[..., :48], rv[..., :48])
     with pytest.raises(ValueError, match="no tokens"):
         decode_attention(q, None, None, None, None, None, None)
+    t = kb.shape[2] + sk.shape[2] + rk.shape[2]
+    with pytest.raises(TypeError, match="must be bool"):
+        decode_attention(q, sk, sv, kb, vb, rk, rv, key_mask=torch.ones(2, t, device=device))
+    too_long = torch.ones(2, t + 1, dtype=torch.bool, device=device)
+    with pytest.raises(ValueError, match=r"key_mask must be \(B=2 or 1, T="):
+        decode_attention(q, sk, sv, kb, vb, rk, rv, key_mask=too_long)

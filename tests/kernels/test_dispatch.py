@@ -1,8 +1,9 @@
-"""The entry points the cache calls: mask -> ranges, fallbacks, and a tiny Llama end to end."""
+"""The entry points the cache calls: decode masks, fallbacks, and a tiny Llama end to end."""
 
 from __future__ import annotations
 
 import copy
+import functools
 
 import pytest
 import torch
@@ -18,18 +19,6 @@ def sdpa_bool_mask(valid: torch.Tensor) -> torch.Tensor:
     return valid[:, None, None, :]
 
 
-def test_decode_ranges():
-    assert dispatch.decode_ranges(None, 2, 5) == (None, None)
-    assert dispatch.decode_ranges(sdpa_bool_mask(torch.ones(2, 5, dtype=torch.bool)), 2, 5) == (None, None)
-    valid = torch.tensor([[0, 0, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]], dtype=torch.bool)  # 6th column: beyond T
-    start, end = dispatch.decode_ranges(sdpa_bool_mask(valid), 2, 5)
-    assert start.tolist() == [2, 0] and end.tolist() == [5, 5]
-    holes = torch.tensor([[1, 0, 1, 1, 1]], dtype=torch.bool)
-    assert dispatch.decode_ranges(sdpa_bool_mask(holes), 1, 5) is None
-    assert dispatch.decode_ranges(torch.zeros(1, 1, 1, 5), 1, 5) is None  # an additive float mask
-    assert dispatch.decode_ranges(torch.ones(1, 1, 2, 5, dtype=torch.bool), 1, 5) is None  # q = 2
-
-
 def layer_with(scheme: str, n: int, device, b: int = 2, d: int = 64, seed: int = 0) -> QuantizedLayer:
     g = torch.Generator().manual_seed(seed)
     layer = QuantizedLayer(scheme, backend="triton")
@@ -39,30 +28,70 @@ def layer_with(scheme: str, n: int, device, b: int = 2, d: int = 64, seed: int =
     return layer
 
 
-@pytest.mark.parametrize("scheme", ["k=int4-channel-g8,v=int4-g32,sink=2,window=4", "int8,window=3", "fp16"])
-def test_fused_attention_matches_the_reference_path(scheme, device):
-    layer = layer_with(scheme, n=40, device=device)
+@functools.cache
+def shared_layer(scheme: str, device: torch.device) -> QuantizedLayer:
+    """A 40-token layer, built once per scheme (building runs the interpreted quantize kernel); read only."""
+    return layer_with(scheme, n=40, device=device)
+
+
+def decode_mask(kind: str, device) -> torch.Tensor | None:
+    """The 4D bool mask of a decode step over 40 tokens (B = 2), as transformers' sdpa_mask may give it."""
+    if kind == "none":
+        return None
+    valid = torch.ones(2, 40, dtype=torch.bool)
+    if kind == "left_padding":
+        valid[1, :7] = False
+    elif kind == "holes":
+        valid[0, ::3] = False
+        valid[1, 10:30] = False
+    elif kind == "broadcast":  # (1, 1, 1, T): one row for the whole batch, read with stride 0
+        valid = (torch.arange(40) % 5 != 2)[None]
+    elif kind == "longer":  # more columns than tokens: only the first T count
+        valid = torch.cat([valid, torch.zeros(2, 3, dtype=torch.bool)], dim=1)
+        valid[0, :4] = False
+    elif kind == "empty_row":  # zeros, as SDPA gives
+        valid[1] = False
+    return sdpa_bool_mask(valid.to(device))
+
+
+CASES = [  # (scheme, mask kind): every mask kind on one scheme, the left-padded batch on the others
+    *[("k=int4-channel-g8,v=int4-g32,sink=2,window=4", kind)
+      for kind in ("none", "left_padding", "holes", "broadcast", "longer", "empty_row")],
+    ("int8,window=3", "left_padding"),
+    ("fp16", "holes"),
+]
+
+
+@pytest.mark.parametrize("scheme,kind", CASES, ids=[f"{s}:{k}" for s, k in CASES])
+def test_fused_attention_matches_the_reference_path(scheme, kind, device):
+    layer = shared_layer(scheme, device)
     view = layer.view()
     q = torch.randn(2, 6, 1, 64, device=device)
-    valid = torch.ones(2, 40, dtype=torch.bool, device=device)
-    valid[1, :7] = False
-    got = dispatch.fused_attention(q, view, sdpa_bool_mask(valid), None)
+    mask = decode_mask(kind, device)
+    got = dispatch.fused_attention(q, view, mask, None)
+    assert got is not None
     module = torch.nn.Module()
     module.is_causal, module.training, module.num_key_value_groups = True, False, 3
     torch_view = QuantizedLayer(scheme, backend="torch")
     torch_view.__dict__.update({k: v for k, v in layer.__dict__.items() if k != "backend"})
     ref_view = torch_view.view()
-    want, _ = kvquant_attention(module, q, ref_view, ref_view, sdpa_bool_mask(valid), scaling=0.125)
+    ref_mask = None if mask is None else mask[..., :40]  # transformers' SDPA wants exactly T columns
+    want, _ = kvquant_attention(module, q, ref_view, ref_view, ref_mask, scaling=0.125)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_fused_attention_declines_what_it_does_not_serve(device):
     view = layer_with("int4-g32", n=10, device=device).view()
+    q = torch.randn(2, 6, 1, 64, device=device)
     prefill = torch.randn(2, 6, 3, 64, device=device)
     assert dispatch.fused_attention(prefill, view, None, None) is None
-    holes = torch.ones(2, 1, 1, 10, dtype=torch.bool, device=device)
-    holes[0, 0, 0, 4] = False
-    assert dispatch.fused_attention(torch.randn(2, 6, 1, 64, device=device), view, holes, None) is None
+    additive = torch.zeros(2, 1, 1, 10, device=device)
+    assert dispatch.fused_attention(q, view, additive, None) is None
+    short = torch.ones(2, 1, 1, 9, dtype=torch.bool, device=device)
+    assert dispatch.fused_attention(q, view, short, None) is None
+    rows = torch.ones(2, 1, 2, 10, dtype=torch.bool, device=device)
+    assert dispatch.fused_attention(q, view, rows, None) is None
+    assert dispatch.fused_attention(q[..., :48], view, None, None) is None  # head_dim not a power of two
 
 
 def test_quantize_pack_entry_is_the_reference_bit_for_bit(device):
