@@ -4,8 +4,13 @@
 # Output goes to $OUT if set, else benchmarks/results/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
-PY=${PYTHON:-python}
+# A local .venv holds a CPU build of torch: use it only where there is no GPU python (a dry run here).
+if ! command -v nvidia-smi >/dev/null && [ -f .venv/bin/activate ]; then . .venv/bin/activate; fi
+PY=${PYTHON:-python3}
+# A bare GPU machine has torch and triton but not kvquant: install it in place, offline, without deps.
+"$PY" -c "import kvquant.kernels" 2>/dev/null ||
+    "$PY" -m pip install -q --no-deps --no-build-isolation -e . ||
+    { echo "gpu_check: cannot install kvquant (pip install --no-deps -e .)"; exit 1; }
 OUTDIR=${OUT:-benchmarks/results}
 mkdir -p "$OUTDIR"
 LOG="$OUTDIR/gpu_check_$(date -u +%Y%m%dT%H%M%SZ).log"

@@ -49,10 +49,56 @@ def kvquant_attention(
             out = fused_attention(query, key, attention_mask, scaling)
             if out is not None:
                 return out, None
-        key, value = key.keys(query.dtype), key.values(query.dtype)  # (B, H_kv, T, D)
+        view = key
+        key, value = view.keys(query.dtype), view.values(query.dtype)  # (B, H_kv, T, D)
+        if view.fresh_k is not None and query.shape[2] > 1:
+            key, value, attention_mask = _as_decoded(query, view, key, value, attention_mask)
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
+
+
+def _as_decoded(
+    query: torch.Tensor,  # (B, H_q, q, D)
+    view: LayerView,
+    key: torch.Tensor,  # (B, H_kv, T, D) as stored
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,  # bool (B or 1, 1, q, >= T), True = attend; None = causal
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K/V and mask under which each query of a chunk sees every key as the cache held it when that query
+    would have been decoded one token at a time.
+
+    The update before this call quantized the tokens [f0, f1) (view.fresh_*). Query p (an absolute
+    position) would have seen key j < f1 quantized only if j < scheme.quantized_end(p + 1); a later
+    query in the same chunk may see more of them quantized than an earlier one. So the keys of [f0, f1)
+    appear twice, unquantized in place and quantized appended after the end, and the mask lets each
+    query attend to exactly one of the two copies. Without this, a query would see its own near past
+    quantized although a decoder keeps it in the FP window, and results would depend on the chunk size.
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    f0 = view.fresh_start
+    f1 = f0 + view.fresh_k.shape[2]
+    pos = torch.arange(kv_len - q_len, kv_len, device=query.device)  # (q,) absolute query positions
+    scheme = view.scheme
+    ends = torch.tensor([scheme.quantized_end(int(p) + 1) for p in pos], device=query.device)  # (q,)
+    j = torch.arange(f0, f1, device=query.device)
+    quantized = j[None, :] < ends[:, None]  # (q, n): query p sees key j quantized
+    if bool(quantized.all()):
+        return key, value, attention_mask  # every query sees [f0, f1) as stored
+    if attention_mask is None:
+        allowed = torch.arange(kv_len, device=query.device)[None, :] <= pos[:, None]  # causal (q, T)
+        allowed = allowed[None, None]  # (1, 1, q, T)
+    else:
+        allowed = attention_mask[..., :kv_len]
+    in_place = allowed.clone()
+    in_place[..., f0:f1] &= ~quantized
+    appended = allowed[..., f0:f1] & quantized
+    fp_key, fp_value = key.clone(), value.clone()
+    fp_key[:, :, f0:f1] = view.fresh_k.to(key.dtype)
+    fp_value[:, :, f0:f1] = view.fresh_v.to(value.dtype)
+    key = torch.cat([fp_key, key[:, :, f0:f1]], dim=2)  # (B, H_kv, T + n, D)
+    value = torch.cat([fp_value, value[:, :, f0:f1]], dim=2)
+    return key, value, torch.cat([in_place, appended], dim=-1)
 
 
 def register_attention() -> None:

@@ -145,6 +145,11 @@ class LayerView:
 
     sink_k/v, recent_k/v: (B, H_kv, S or R, D) or None. key_body/value_body: QTensor for quantized
     specs, a dense (B, H_kv, T_body, D) tensor for fp16 specs, or None.
+
+    fresh_k/v (B, H_kv, n, D): the unquantized K/V of the n body tokens quantized by the update that made
+    this view (positions fresh_start ..), or None. They are not stored: the view lives for one forward,
+    so that queries of a multi-token chunk can see those tokens as the cache held them when each query
+    would have been decoded (`kvquant.attention`), whatever the chunk size.
     """
 
     sink_k: torch.Tensor | None
@@ -156,6 +161,9 @@ class LayerView:
     scheme: Scheme
     backend: str
     shape: torch.Size  # (B, H_kv, T, D) of everything stored
+    fresh_k: torch.Tensor | None = None
+    fresh_v: torch.Tensor | None = None
+    fresh_start: int = 0
 
     # An attention implementation other than kvquant's gets a LayerView where it expects a tensor; when
     # the cache had no config to check up front, fail with what to do rather than a bare TypeError.
@@ -226,25 +234,29 @@ class QuantizedLayer(CacheLayerMixin):
             self.sink_k = _cat(self.sink_k, k[:, :, :room])
             self.sink_v = _cat(self.sink_v, v[:, :, :room])
             k, v = k[:, :, room:], v[:, :, room:]
+        fresh = None
         if k.shape[2]:
             self.recent_k, self.recent_v = _cat(self.recent_k, k), _cat(self.recent_v, v)
-            self._flush()
-        view = self.view()
+            fresh = self._flush()
+        view = self.view(fresh)
         return view, view
 
-    def _flush(self) -> None:
-        """Quantize whole token groups that have left the window; they are never touched again."""
-        step = self.scheme.tokens_per_flush
-        n = (self.recent_len - self.scheme.window) // step * step
+    def _flush(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Quantize whole token groups that have left the window; they are never touched again.
+        Returns the unquantized K/V of the tokens just quantized and their first position, or None."""
+        start = self.sink_len + self.key_body.num_tokens
+        n = self.scheme.quantized_end(self.get_seq_length()) - start
         if n <= 0:
-            return
-        self.key_body.append(self.recent_k[:, :, :n])
-        self.value_body.append(self.recent_v[:, :, :n])
+            return None
+        fresh_k, fresh_v = self.recent_k[:, :, :n], self.recent_v[:, :, :n]
+        self.key_body.append(fresh_k)
+        self.value_body.append(fresh_v)
         # clone: a slice would keep the whole old buffer alive and nbytes() would under-count it
         self.recent_k = self.recent_k[:, :, n:].clone()
         self.recent_v = self.recent_v[:, :, n:].clone()
+        return fresh_k, fresh_v, start
 
-    def view(self) -> LayerView:
+    def view(self, fresh: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> LayerView:
         def body(b: Body):
             return b.dense if b.dense is not None else b.qtensor()
 
@@ -262,6 +274,7 @@ class QuantizedLayer(CacheLayerMixin):
             self.scheme,
             self.backend,
             shape,
+            *(fresh or ()),
         )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -97,11 +97,8 @@ def cache_bytes(
 ) -> int:
     """Exact bytes a QuantizedCache holds after num_tokens tokens per sequence, sink and window included."""
     shape, scheme = KVShape.from_config(config), parse_scheme(scheme)
-    sink = min(scheme.sink, num_tokens)
-    rest = num_tokens - sink
-    step = scheme.tokens_per_flush
-    body = max(rest - scheme.window, 0) // step * step
-    fp_tokens = sink + rest - body
+    body = scheme.quantized_end(num_tokens) - min(scheme.sink, num_tokens)
+    fp_tokens = num_tokens - body
     per_layer = 2 * fp_tokens * shape.num_kv_heads * shape.head_dim * _dtype_bytes(dtype)
     per_layer += sum(
         spec_bytes(s, body, shape.num_kv_heads, shape.head_dim, dtype) for s in (scheme.key, scheme.value)

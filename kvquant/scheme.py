@@ -165,6 +165,13 @@ class Scheme:
         """Tokens move from the FP window to the quantized body in multiples of this."""
         return math.lcm(self.key.tokens_per_group, self.value.tokens_per_group)
 
+    def quantized_end(self, num_tokens: int) -> int:
+        """Once num_tokens tokens have arrived, positions [min(sink, num_tokens), quantized_end) are in the
+        quantized body; the rest (sink before, window after) are unquantized. The same for any chunking."""
+        sink = min(self.sink, num_tokens)
+        step = self.tokens_per_flush
+        return sink + max(num_tokens - sink - self.window, 0) // step * step
+
     def check_head_dim(self, head_dim: int) -> None:
         self.key.check_head_dim(head_dim)
         self.value.check_head_dim(head_dim)

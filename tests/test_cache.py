@@ -101,6 +101,49 @@ def test_token_schemes_independent_of_chunking(model, scheme, chunks):
     assert (whole - fp).abs().max() > 50 * (chunked - whole).abs().max()
 
 
+@pytest.fixture(scope="module")
+def model64():
+    """The tiny model in float64: fp rounding noise (1e-16) then never flips a quantization code, so
+    chunked and token-by-token runs can be compared tightly."""
+    return make_tiny_model(seed=5).double()
+
+
+WINDOWED = [
+    "k=int4-channel-g8,v=int4-g16,sink=3,window=10",
+    "k=int2-channel-g16,v=int2-g16,window=20",  # KIVI-2's shape, scaled to 63 tokens
+    "int8,window=6",
+    "k=int2-channel-g4,v=fp16,sink=2",
+    "int4-g32,sink=5",
+]
+
+
+@pytest.mark.parametrize("scheme", WINDOWED)
+@pytest.mark.parametrize("chunks", [5, 16, [40, 3, 1, 19], None], ids=str)
+def test_chunked_equals_token_by_token(model64, scheme, chunks):
+    """Every query of a chunk sees each key as the cache held it when that query would have been decoded
+    (FP inside the window, quantized once flushed), so any chunking gives the logits of decoding one
+    token at a time: windows, sinks and channel-wise token groups included."""
+    ids = _ids(2, 63, seed=11)
+    decoded = _run(model64, ids, kvquant.QuantizedCache(scheme, model64.config), 1)
+    chunked = _run(model64, ids, kvquant.QuantizedCache(scheme, model64.config), chunks)
+    torch.testing.assert_close(chunked, decoded, atol=1e-9, rtol=0)
+    fp = _run(model64, ids, DynamicCache(config=model64.config))
+    assert (decoded - fp).abs().max() > 1e-4  # the scheme does change the logits
+
+
+def test_chunk_attends_to_its_own_tokens_unquantized_inside_the_window(model64):
+    """A query in a chunk of 60 with window 32 sees its own 32 last tokens in FP, as a decoder would,
+    although the cache stores most of the chunk quantized once the forward has run."""
+    scheme = "int2-g32,window=32"
+    ids = _ids(1, 60, seed=2)
+    fp = _run(model64, ids, DynamicCache(config=model64.config))
+    cache = kvquant.QuantizedCache(scheme, model64.config)
+    got = _run(model64, ids, cache)
+    assert cache.layers[0].key_body.num_tokens == 28  # 60 - window: stored quantized after the forward
+    torch.testing.assert_close(got[:, :32], fp[:, :32], atol=1e-9, rtol=0)  # positions 0..31: all in window
+    assert (got[:, 32:] - fp[:, 32:]).abs().max() > 1e-3  # from 32 on, token 0 is quantized
+
+
 # ---------------------------------------------------------------------------------------- quality vs fp16
 
 

@@ -1,0 +1,125 @@
+import math
+
+import pytest
+import torch
+from kvquant.eval.measure import REFERENCE, FakeQuantCache, evaluate_document, make_buckets
+from kvquant.eval.schemes import PeerScheme, parse_eval_scheme, scheme_label
+
+import kvquant
+from kvquant.scheme import SchemeError
+
+LENGTH = 160
+
+
+@pytest.fixture(scope="module")
+def ids():
+    torch.manual_seed(0)
+    return torch.randint(0, 49152, (1, LENGTH))
+
+
+def test_buckets():
+    labels = [b.label for b in make_buckets(8192)]
+    assert labels == ["0-256", "256-512", "512-1k", "1k-2k", "2k-4k", "4k-8k"]
+    short = make_buckets(300)
+    assert [(b.start, b.end) for b in short] == [(0, 256), (256, 300)]
+    assert [b.label for b in make_buckets(20_000)][-1] == "16k-20000"
+    with pytest.raises(ValueError):
+        make_buckets(1)
+
+
+def _run(model, ids, names, mode, chunk=64, buckets=None):
+    buckets = buckets or make_buckets(ids.shape[1], edges=(0, 64, 128, 256))
+    return evaluate_document(
+        model, ids, [parse_eval_scheme(n) for n in names], mode=mode, chunk=chunk, buckets=buckets
+    )
+
+
+@pytest.mark.parametrize("mode", ["cache", "fake"])
+def test_fp16_zero_drift_and_2bit_drift(tiny_model, ids, mode):
+    out = _run(tiny_model, ids, ["fp16", "int2-g32"], mode)
+    ref, fp, q = out[REFERENCE], out["kvquant:fp16"], out["int2-g32"]
+    for b in ref:
+        assert ref[b].tokens == fp[b].tokens == q[b].tokens > 0
+        assert ref[b].kl == 0 and ref[b].top1 == ref[b].tokens
+        assert fp[b].nll == ref[b].nll  # unquantized scheme through the kvquant path: bit-identical
+        assert fp[b].kl == pytest.approx(0, abs=1e-9) and fp[b].top1 == fp[b].tokens
+        assert q[b].nll != ref[b].nll and q[b].kl > 0
+    assert sum(s.tokens for s in ref.values()) == LENGTH - 1
+
+
+def test_fake_equals_cache_in_one_chunk(tiny_model, ids):
+    scheme = "k=int4-channel-g32,v=int4-g32,sink=4,window=16"
+    fake = _run(tiny_model, ids, [scheme], "fake")[scheme]
+    cache = _run(tiny_model, ids, [scheme], "cache", chunk=LENGTH)[scheme]
+    for b in fake:
+        assert fake[b].nll == pytest.approx(cache[b].nll, rel=1e-5)
+    chunked = _run(tiny_model, ids, [scheme], "cache", chunk=48)[scheme]  # earlier chunks saw fewer tokens
+    assert any(abs(chunked[b].nll - cache[b].nll) > 1e-6 for b in fake)
+
+
+def test_chunk_of_one(tiny_model, ids):
+    short = ids[:, :24]
+    one = _run(tiny_model, short, ["int8"], "cache", chunk=1, buckets=make_buckets(24, edges=(0, 256)))
+    whole = _run(tiny_model, short, ["int8"], "cache", chunk=24, buckets=make_buckets(24, edges=(0, 256)))
+    b = next(iter(one["fp16"]))
+    assert one["fp16"][b].nll == pytest.approx(whole["fp16"][b].nll, rel=1e-4)
+    assert one["int8"][b].tokens == 23
+
+
+def test_fake_cache_returns_what_the_quantized_cache_stores(tiny_model):
+    scheme = kvquant.parse_scheme("k=int2-channel-g16,v=int4-g32,sink=3,window=10")
+    k, v = torch.randn(1, 2, 61, 64), torch.randn(1, 2, 61, 64)
+    real = kvquant.QuantizedCache(scheme)
+    view, _ = real.update(k, v, 0)
+    fk, fv = FakeQuantCache(scheme).update(k, v, 0)
+    assert torch.equal(view.keys(torch.float32), fk)
+    assert torch.equal(view.values(torch.float32), fv)
+
+
+def test_failing_scheme_is_reported_and_others_go_on(tiny_model, ids, monkeypatch):
+    from kvquant.eval import measure
+
+    real = measure.make_cache
+
+    class Broken(kvquant.QuantizedCache):
+        def update(self, *a, **k):
+            raise RuntimeError("boom")
+
+    monkeypatch.setattr(
+        measure, "make_cache", lambda s, c, m: Broken(s, c) if str(s) == "int8" else real(s, c, m)
+    )
+    errors = []
+    out = evaluate_document(
+        tiny_model,
+        ids,
+        [parse_eval_scheme("int8"), parse_eval_scheme("int4-g64")],
+        mode="cache",
+        chunk=64,
+        buckets=make_buckets(LENGTH),
+        on_error=lambda label, e: errors.append(label),
+    )
+    assert errors == ["int8"] and "int8" not in out and "int4-g64" in out
+
+
+def test_scheme_names():
+    assert scheme_label(parse_eval_scheme("kivi-2")) == "k=int2-channel-g32,v=int2-g32,window=128"
+    assert str(parse_eval_scheme("hf-quanto-int4")) == "hf-quanto-int4"
+    assert isinstance(parse_eval_scheme("HF-quanto-int2"), PeerScheme)
+    with pytest.raises(SchemeError, match="Known schemes"):
+        parse_eval_scheme("int5-g64")
+    with pytest.raises(SchemeError, match="quanto"):
+        parse_eval_scheme("hf-foo-int4")
+
+
+def test_peer_scheme_runs_if_installed(tiny_model, ids):
+    peer = parse_eval_scheme("hf-quanto-int4")
+    try:
+        peer.check_available()
+    except SchemeError:
+        pytest.skip("optimum-quanto not installed")
+    out = _run(tiny_model, ids, ["hf-quanto-int4"], "cache")
+    assert all(math.isfinite(s.nll) for s in out["hf-quanto-int4"].values())
+    with pytest.raises(ValueError, match="cache mode only"):
+        from kvquant.eval.measure import make_cache
+
+        make_cache(peer, tiny_model.config, "fake")
