@@ -2,8 +2,10 @@
 
 Two modes (every result names its mode):
   cache  the text is fed in chunks through a real cache; each chunk attends to what earlier chunks left
-         stored (quantized K/V for kvquant's QuantizedCache, which quantizes on write, so even the chunk's
-         own tokens are read back as stored).
+         stored (quantized K/V for kvquant's QuantizedCache), and each query sees the chunk's own tokens
+         as the cache held them when that query would have been decoded (FP inside the window, quantized
+         once flushed), so the result does not depend on the chunk size: it is what token-by-token
+         decoding sees.
   fake   one forward over the whole text; the cache's update returns K/V quantized-and-dequantized
          (`FakeQuantCache`), what most papers report.
 

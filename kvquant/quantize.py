@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import pack, unpack
+from .packing import pack
 from .scheme import Granularity, QuantSpec
 
 __all__ = ["QTensor", "quantize", "dequantize", "fake_quantize", "scale_shape", "sqnr_db"]
@@ -181,25 +181,43 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> QTensor:
     )
 
 
-def _expand(stat: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Broadcast a scale or zero of shape `scale_shape` against (B, H, T, D)."""
+def _code_table(spec: QuantSpec, device: torch.device) -> torch.Tensor:
+    """(256, 8 // bits) fp32: the code values held by each byte, already shifted and divided for symmetric
+    specs ((code - 2^(b-1)) / qmax), so unpacking and the first arithmetic step are one gather."""
+    shifts = torch.arange(0, 8, spec.bits, device=device)
+    table = ((torch.arange(256, device=device)[:, None] >> shifts) & ((1 << spec.bits) - 1)).float()
+    if spec.symmetric:
+        table = (table - (1 << (spec.bits - 1))) / spec.qmax
+    return table
+
+
+def _blocked(values: torch.Tensor, stat: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of values (B, H, T, D) and a scale or zero (`scale_shape`) that broadcast against each other."""
+    b, h, t, d = values.shape
+    n = spec.group_size
     if spec.granularity is Granularity.GROUP:
-        return stat.repeat_interleave(spec.group_size, dim=-1)
+        return values.view(b, h, t, d // n, n), stat.unsqueeze(-1)
     if spec.granularity is Granularity.CHANNEL:
-        return stat.repeat_interleave(spec.group_size, dim=2)
-    return stat  # token (B, 1, T, 1) and head (B, H, T, 1) broadcast as they are
+        return values.view(b, h, t // n, n, d), stat.unsqueeze(-2)
+    return values, stat  # token (B, 1, T, 1) and head (B, H, T, 1) broadcast as they are
 
 
 def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """QTensor -> tensor of q.shape, in `dtype` (default: the dtype that was quantized)."""
     spec = q.spec
-    codes = unpack(q.codes, spec.bits, q.shape[-1]).float()  # (B, H, T, D)
-    scale = _expand(q.scale, spec).float()
-    if spec.symmetric:
-        x = (codes - (1 << (spec.bits - 1))) / spec.qmax * scale
+    if spec.bits == 8:  # one code per byte: a cast beats a gather
+        values = q.codes.float()  # (B, H, T, D)
+        if spec.symmetric:
+            values = (values - (1 << (spec.bits - 1))) / spec.qmax
     else:
-        x = codes * scale + _expand(q.zero, spec).float()
-    return x.to(dtype or q.dtype)
+        table = _code_table(spec, q.codes.device)
+        values = table[q.codes.long()].flatten(-2)[..., : q.shape[-1]].contiguous()  # (B, H, T, D) fp32
+    blocks, scale = _blocked(values, q.scale.float(), spec)
+    if spec.symmetric:
+        x = blocks * scale
+    else:
+        x = blocks * scale + _blocked(values, q.zero.float(), spec)[1]
+    return x.reshape(q.shape).to(dtype or q.dtype)
 
 
 def fake_quantize(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -47,14 +47,19 @@ def test_fp16_zero_drift_and_2bit_drift(tiny_model, ids, mode):
     assert sum(s.tokens for s in ref.values()) == LENGTH - 1
 
 
-def test_fake_equals_cache_in_one_chunk(tiny_model, ids):
+def test_cache_mode_is_chunk_independent_and_fake_mode_is_not_decoding(tiny_model, ids):
+    """cache mode gives what token-by-token decoding sees whatever the chunk (each query sees the window
+    of its own position in FP); fake mode quantizes everything outside the window of the whole text, so
+    its early queries see more quantized keys and its numbers differ."""
     scheme = "k=int4-channel-g32,v=int4-g32,sink=4,window=16"
+    whole = _run(tiny_model, ids, [scheme], "cache", chunk=LENGTH)[scheme]
+    chunked = _run(tiny_model, ids, [scheme], "cache", chunk=48)[scheme]
+    for b in whole:
+        # fp32 noise can flip a code at a rounding boundary; a real semantic difference is 1e-2 and up
+        assert chunked[b].nll == pytest.approx(whole[b].nll, rel=1e-4)
     fake = _run(tiny_model, ids, [scheme], "fake")[scheme]
-    cache = _run(tiny_model, ids, [scheme], "cache", chunk=LENGTH)[scheme]
-    for b in fake:
-        assert fake[b].nll == pytest.approx(cache[b].nll, rel=1e-5)
-    chunked = _run(tiny_model, ids, [scheme], "cache", chunk=48)[scheme]  # earlier chunks saw fewer tokens
-    assert any(abs(chunked[b].nll - cache[b].nll) > 1e-6 for b in fake)
+    noise = max(abs(chunked[b].nll - whole[b].nll) for b in whole)
+    assert max(abs(fake[b].nll - whole[b].nll) for b in whole) > 20 * noise + 1e-6
 
 
 def test_chunk_of_one(tiny_model, ids):
