@@ -59,12 +59,16 @@ def _from_pretrained(folder: Path, gguf_file: str | None, dtype: torch.dtype, at
 
 
 def copy_dir(gguf: Path, dtype: torch.dtype) -> Path:
-    """Where the safetensors copy of `gguf` lives: named by the file's path, size and modification
-    time, so a replaced or different file of the same name never loads a stale copy."""
-    gguf = gguf.resolve()
-    st = gguf.stat()
-    key = hashlib.sha1(f"{gguf}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:10]
-    return cache_root() / f"{gguf.stem}-{str(dtype).removeprefix('torch.')}-{key}"
+    """Where the safetensors copy of `gguf` lives: named by a fingerprint of the file's content (its size,
+    first and last MiB), so a different or replaced file of the same name never loads a stale copy, and
+    the same wheel installed in another environment reuses it."""
+    digest = hashlib.sha1()
+    size = gguf.stat().st_size
+    with open(gguf, "rb") as f:
+        digest.update(str(size).encode() + f.read(1 << 20))
+        f.seek(max(size - (1 << 20), 0))
+        digest.update(f.read())
+    return cache_root() / f"{gguf.stem}-{str(dtype).removeprefix('torch.')}-{digest.hexdigest()[:10]}"
 
 
 def _dequantized_copy(gguf: Path, dtype: torch.dtype) -> Path:

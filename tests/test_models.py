@@ -87,3 +87,19 @@ def test_bad_local_paths(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="empty has no config.json"):
         kvquant.load_model(tmp_path / "empty")
+
+
+def test_copy_dir_follows_content_not_path(tmp_path):
+    """The dequantized copy is keyed by the GGUF's content: the same file installed elsewhere reuses it,
+    a changed file of the same name gets its own."""
+    a, b, c = tmp_path / "a" / "m.gguf", tmp_path / "b" / "m.gguf", tmp_path / "c" / "m.gguf"
+    for path, data in (
+        (a, b"GGUF" + bytes(3 << 20)),
+        (b, b"GGUF" + bytes(3 << 20)),
+        (c, b"GGUF" + bytes(3 << 20) + b"!"),
+    ):
+        path.parent.mkdir()
+        path.write_bytes(data)
+    assert models.copy_dir(a, torch.float32) == models.copy_dir(b, torch.float32)
+    assert models.copy_dir(a, torch.float32) != models.copy_dir(c, torch.float32)
+    assert models.copy_dir(a, torch.float32) != models.copy_dir(a, torch.bfloat16)
