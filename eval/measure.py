@@ -131,9 +131,7 @@ class FakeQuantCache(Cache):
     def __init__(self, scheme: Scheme | str, config=None):
         self.scheme = kvquant.parse_scheme(scheme)
         if config is not None:
-            text = config.get_text_config() if hasattr(config, "get_text_config") else config
-            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-            self.scheme.check_head_dim(head_dim)
+            self.scheme.check_head_dim(kvquant.memory.KVShape.from_config(config).head_dim)
         super().__init__(layer_class_to_replicate=lambda: FakeQuantLayer(self.scheme))
 
 

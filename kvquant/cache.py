@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .memory import KVShape
 from .quantize import QTensor, dequantize, quantize
 from .scheme import Granularity, QuantSpec, Scheme, parse_scheme
 
@@ -361,8 +362,6 @@ class QuantizedLayer(CacheLayerMixin):
 class _Expect:
     """What the cache learned of the model from its config, checked when the model first writes."""
 
-    num_layers: int | None = None
-    head_dim: int | None = None
     attn_implementation: str | None = None
     checked: bool = field(default=False)
 
@@ -386,13 +385,11 @@ class QuantizedCache(Cache):
         self.backend = backend
         self._expect = _Expect()
         if config is not None:
+            shape = KVShape.from_config(config)
+            self.scheme.check_head_dim(shape.head_dim)
             text = config.get_text_config() if hasattr(config, "get_text_config") else config
-            head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-            self.scheme.check_head_dim(head_dim)
-            self._expect = _Expect(
-                text.num_hidden_layers, head_dim, getattr(text, "_attn_implementation", None)
-            )
-            layers = [QuantizedLayer(self.scheme, backend) for _ in range(text.num_hidden_layers)]
+            self._expect = _Expect(getattr(text, "_attn_implementation", None))
+            layers = [QuantizedLayer(self.scheme, backend) for _ in range(shape.num_layers)]
             super().__init__(layers=layers)
         else:
             super().__init__(layer_class_to_replicate=lambda: QuantizedLayer(self.scheme, backend))

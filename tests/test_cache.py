@@ -46,6 +46,21 @@ def _storage_bytes(layer: QuantizedLayer) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
 
 
+def _stored_parts(layer: QuantizedLayer) -> dict[str, torch.Tensor | None]:
+    """Every tensor a layer keeps outside its window, by name."""
+    kb, vb = layer.key_body, layer.value_body
+    return dict(
+        sink_k=layer.sink_k,
+        sink_v=layer.sink_v,
+        kc=kb.codes,
+        ks=kb.scale,
+        kz=kb.zero,
+        vc=vb.codes,
+        vs=vb.scale,
+        vz=vb.zero,
+    )
+
+
 @pytest.fixture(scope="module")
 def model(tiny_model):
     return tiny_model
@@ -297,24 +312,7 @@ def test_append_never_requantizes(model):
     cache = kvquant.QuantizedCache(ACCOUNTING, model.config)
     ids = _ids(1, 90, seed=11)
     _run(model, ids[:, :30], cache)
-    snap = []
-    for layer in cache.layers:
-        kb, vb = layer.key_body, layer.value_body
-        snap.append(
-            {
-                k: v.clone()
-                for k, v in dict(
-                    sink_k=layer.sink_k,
-                    sink_v=layer.sink_v,
-                    kc=kb.codes,
-                    ks=kb.scale,
-                    kz=kb.zero,
-                    vc=vb.codes,
-                    vs=vb.scale,
-                    vz=vb.zero,
-                ).items()
-            }
-        )
+    snap = [{name: t.clone() for name, t in _stored_parts(layer).items()} for layer in cache.layers]
     assert cache.layers[0].key_body.num_tokens == 16
     for n in (1, 7, 30, 22):
         _run(model, ids[:, 30 : 30 + n] if n else ids, cache)
@@ -323,17 +321,7 @@ def test_append_never_requantizes(model):
         )  # keep feeding new tokens
     assert cache.layers[0].key_body.num_tokens == 64
     for layer, old in zip(cache.layers, snap, strict=True):
-        kb, vb = layer.key_body, layer.value_body
-        new = dict(
-            sink_k=layer.sink_k,
-            sink_v=layer.sink_v,
-            kc=kb.codes,
-            ks=kb.scale,
-            kz=kb.zero,
-            vc=vb.codes,
-            vs=vb.scale,
-            vz=vb.zero,
-        )
+        new = _stored_parts(layer)
         for name, before in old.items():
             after = new[name]
             assert torch.equal(after[:, :, : before.shape[2]], before), name
