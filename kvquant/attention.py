@@ -17,18 +17,12 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .cache import LayerView, kernels_enabled
+from .backend import ATTN_IMPLEMENTATION, uses_kernels
+from .cache import LayerView
 
-__all__ = ["ATTN_IMPLEMENTATION", "kvquant_attention", "register_attention", "use_kernels"]
+__all__ = ["ATTN_IMPLEMENTATION", "kvquant_attention", "register_attention"]
 
 logger = logging.getLogger(__name__)
-
-ATTN_IMPLEMENTATION = "kvquant"
-
-
-def use_kernels(view: LayerView, query: torch.Tensor) -> bool:
-    """Whether this call goes to the Triton kernels: forced by backend="triton", or "auto" on CUDA."""
-    return kernels_enabled(view.backend, query.device)
 
 
 def kvquant_attention(
@@ -43,7 +37,7 @@ def kvquant_attention(
 ) -> tuple[torch.Tensor, None]:
     """Returns (attn_output (B, q, H_q, D), None), as transformers' attention functions do."""
     if isinstance(key, LayerView):
-        if use_kernels(key, query):
+        if uses_kernels(key.backend, query.device):
             from .kernels.dispatch import fused_attention  # lazy: `import kvquant` never imports triton
 
             out = fused_attention(query, key, attention_mask, scaling)
@@ -68,25 +62,28 @@ def _as_decoded(
     """K/V and mask under which each query of a chunk sees every key as the cache held it when that query
     would have been decoded one token at a time.
 
-    The update before this call quantized the tokens [f0, f1) (view.fresh_*). Query p (an absolute
-    position) would have seen key j < f1 quantized only if j < scheme.quantized_end(p + 1); a later
+    The update before this call quantized the tokens [f0, f1) (view.fresh_*; absolute positions, the view's
+    keys start at position view.start). Query p (an absolute position) would have seen key j < f1 quantized
+    only if j < scheme.quantized_end(p + 1); a later
     query in the same chunk may see more of them quantized than an earlier one. So the keys of [f0, f1)
     appear twice, unquantized in place and quantized appended after the end, and the mask lets each
     query attend to exactly one of the two copies. Without this, a query would see its own near past
     quantized although a decoder keeps it in the FP window, and results would depend on the chunk size.
     """
     q_len, kv_len = query.shape[2], key.shape[2]
+    start = view.start
     f0 = view.fresh_start
     f1 = f0 + view.fresh_k.shape[2]
-    pos = torch.arange(kv_len - q_len, kv_len, device=query.device)  # (q,) absolute query positions
+    pos = torch.arange(kv_len - q_len, kv_len, device=query.device) + start  # (q,) absolute query positions
     scheme = view.scheme
     ends = torch.tensor([scheme.quantized_end(int(p) + 1) for p in pos], device=query.device)  # (q,)
     j = torch.arange(f0, f1, device=query.device)
     quantized = j[None, :] < ends[:, None]  # (q, n): query p sees key j quantized
+    f0, f1 = f0 - start, f1 - start  # as indices into the view's keys
     if bool(quantized.all()):
         return key, value, attention_mask  # every query sees [f0, f1) as stored
     if attention_mask is None:
-        allowed = torch.arange(kv_len, device=query.device)[None, :] <= pos[:, None]  # causal (q, T)
+        allowed = torch.arange(kv_len, device=query.device)[None, :] + start <= pos[:, None]  # causal (q, T)
         allowed = allowed[None, None]  # (1, 1, q, T)
     else:
         allowed = attention_mask[..., :kv_len]

@@ -1,137 +1,43 @@
-"""A quantized KV cache for Hugging Face transformers: one `QuantizedLayer` per decoder layer.
+"""A quantized KV cache for Hugging Face transformers, stored in pages: one `QuantizedLayer` per decoder layer.
 
-A layer stores its tokens in three parts, in position order:
+Each layer keeps its tokens in position order as three regions of pages (`kvquant.store`):
 
-    sink    the first `scheme.sink` tokens, unquantized                  (B, H_kv, S, D)
-    body    packed codes + scales (+ zeros), quantized once on arrival     QTensor fields
-    recent  the last tokens, unquantized: at least `scheme.window`, plus   (B, H_kv, R, D)
-            any tokens whose quantization group is not complete yet
+    sink    the first `scheme.sink` tokens, unquantized               FP pages (P, H_kv, block_size, D)
+    body    encoded once by the spec's codec (packed codes, scales)   codec pages, K and V under one page id
+    recent  the last tokens, unquantized: at least `scheme.window`,   FP pages (the same pool as the sink)
+            plus any tokens whose token group is not complete yet
 
-Tokens move from `recent` to `body` in multiples of `scheme.tokens_per_flush` (the token-group size
-of channel-wise specs, else 1) once more than `window` tokens wait. Nothing is ever requantized, and
-nothing dequantized is written back. `update` returns a `LayerView` of what is stored; the attention
-implementation registered by `kvquant.attention` reads it (Triton kernels on CUDA, else the PyTorch
-reference). Unquantized tokens are kept in the dtype the model gives them (FP16 in deployment).
+Body token i (position sink + i) sits in logical body page i // block_size; recent tokens use the same
+logical numbering, so a page of the window is released as soon as all of its tokens have been encoded.
+Tokens move from the window to the body in multiples of `scheme.tokens_per_flush` once more than `window`
+tokens wait; nothing is ever requantized, and nothing decoded is written back. Appending costs the same at
+any length: only the current page of each region is written.
+
+`update` returns a `LayerView`: the pool tensors and block tables as stored. kvquant's attention function
+(`kvquant.attention`) reads it: Triton kernels that walk the pages, or the PyTorch reference (gather,
+decode, SDPA). A sliding-window layer (a model config's `layer_types`) keeps only the pages the model can
+still attend to and releases the pages behind them.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from .backend import ATTN_IMPLEMENTATION, check_backend, uses_kernels
+from .codec import Codec, Field, codec_for
 from .memory import KVShape
-from .quantize import QTensor, dequantize, quantize
-from .scheme import Granularity, QuantSpec, Scheme, parse_scheme
+from .scheme import Scheme, parse_scheme
+from .store import BlockTable, PagePool, Region, effective_block_size, gather_region
 
-__all__ = ["QuantizedCache", "QuantizedLayer", "LayerView", "BACKENDS"]
+__all__ = ["QuantizedCache", "QuantizedLayer", "LayerView", "DEFAULT_BLOCK_SIZE"]
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "triton", "torch")
-
-TensorFn = Callable[[torch.Tensor], torch.Tensor]
-Quantizer = Callable[[torch.Tensor, QuantSpec], QTensor]
-
-
-def kernels_enabled(backend: str, device: torch.device) -> bool:
-    """Whether Triton kernels serve this backend: forced by "triton", or "auto" on CUDA with triton."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
-    if backend == "triton":
-        return True
-    return backend == "auto" and device.type == "cuda" and importlib.util.find_spec("triton") is not None
-
-
-def _quantizer_for(backend: str, device: torch.device) -> Quantizer:
-    if kernels_enabled(backend, device):
-        from .kernels.dispatch import quantize_pack  # lazy: `import kvquant` never imports triton
-
-        return quantize_pack
-    return quantize
-
-
-def _cat(a: torch.Tensor | None, b: torch.Tensor, dim: int = 2) -> torch.Tensor:
-    # clone: b is often a slice of the model's K/V (or of the old window); keeping the view would keep
-    # the whole tensor alive (a 4k-token prefill behind 4 sink tokens) and nbytes() would under-count it
-    return b.clone() if a is None else torch.cat([a, b], dim=dim)
-
-
-def _nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.nbytes
-
-
-@dataclass
-class Body:
-    """The quantized middle of one of K or V: codes, scale and zero grow along dim 2 (tokens, or token
-    groups for channel-wise scales). For an fp16 spec, `dense` holds the tokens as they are."""
-
-    spec: QuantSpec
-    quantizer: Quantizer = quantize  # kvquant.quantize.quantize, or the Triton quantize_pack twin
-    codes: torch.Tensor | None = None  # uint8 (B, H, T, D * bits // 8)
-    scale: torch.Tensor | None = None  # see kvquant.quantize.scale_shape
-    zero: torch.Tensor | None = None
-    dense: torch.Tensor | None = None  # (B, H, T, D), fp16 specs only
-    num_tokens: int = 0
-    head_dim: int = 0
-    dtype: torch.dtype = torch.float16
-
-    def append(self, x: torch.Tensor) -> None:
-        """Quantize x (B, H, t, D) once and append it; t is a multiple of the spec's token group."""
-        self.head_dim, self.dtype = x.shape[-1], x.dtype
-        if not self.spec.is_quantized:
-            self.dense = _cat(self.dense, x)
-        else:
-            q = self.quantizer(x, self.spec)
-            self.codes = _cat(self.codes, q.codes)
-            self.scale = _cat(self.scale, q.scale)
-            if q.zero is not None:
-                self.zero = _cat(self.zero, q.zero)
-        self.num_tokens += x.shape[2]
-
-    def qtensor(self) -> QTensor | None:
-        """The stored body as one QTensor (no copy), or None when empty or unquantized."""
-        if self.codes is None:
-            return None
-        b, h = self.codes.shape[:2]
-        shape = torch.Size((b, h, self.num_tokens, self.head_dim))
-        return QTensor(self.codes, self.scale, self.zero, self.spec, shape, self.dtype)
-
-    def materialize(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """Dequantized (B, H, T, D) in `dtype`, for the reference attention path; never stored."""
-        if self.dense is not None:
-            return self.dense.to(dtype)
-        q = self.qtensor()
-        return None if q is None else dequantize(q, dtype)
-
-    def truncate(self, num_tokens: int) -> None:
-        """Keep the first num_tokens tokens."""
-        rows = num_tokens
-        if self.spec.granularity is Granularity.CHANNEL:
-            if num_tokens % self.spec.group_size:
-                raise ValueError(
-                    f"cannot crop to {num_tokens} quantized tokens: that splits a channel-wise group of "
-                    f"{self.spec.group_size} tokens; crop fewer tokens or use a larger window"
-                )
-            rows = num_tokens // self.spec.group_size
-        self.map(lambda t: t[:, :, :num_tokens].clone(), lambda t: t[:, :, :rows].clone())  # clone: see _cat
-        self.num_tokens = num_tokens
-
-    def map(self, on_tokens: TensorFn, on_rows: TensorFn | None = None) -> None:
-        """Apply a function to every stored tensor (for batch selection, reordering, truncation)."""
-        on_rows = on_rows or on_tokens
-        self.dense = None if self.dense is None else on_tokens(self.dense)
-        self.codes = None if self.codes is None else on_tokens(self.codes)
-        self.scale = None if self.scale is None else on_rows(self.scale)
-        self.zero = None if self.zero is None else on_rows(self.zero)
-
-    @property
-    def nbytes(self) -> int:
-        return _nbytes(self.codes) + _nbytes(self.scale) + _nbytes(self.zero) + _nbytes(self.dense)
+DEFAULT_BLOCK_SIZE = 16  # tokens per page, as vLLM
 
 
 _NOT_KVQUANT_ATTENTION = (
@@ -142,26 +48,34 @@ _NOT_KVQUANT_ATTENTION = (
 
 @dataclass(frozen=True)
 class LayerView:
-    """What one layer stores, as attention reads it: sink | body | recent along the token axis.
+    """One layer's stored K/V as attention reads it: regions sink | body | recent, in position order.
 
-    sink_k/v, recent_k/v: (B, H_kv, S or R, D) or None. key_body/value_body: QTensor for quantized
-    specs, a dense (B, H_kv, T_body, D) tensor for fp16 specs, or None.
+    fp_k, fp_v: FP pool tensors (P, H_kv, block_size, D); `sink` and `recent` index them.
+    key_pages / value_pages: the body pool's fields per codec {name: (P, heads_f, block_size // tokens_f,
+    cols_f)}; `body` indexes both (K and V of a token share a page id).
+    shape: (B, H_kv, T, D) of the tokens in the view; `start` is the position of the first one (non-zero only
+    on sliding-window layers, which release what the model can no longer attend to).
 
-    fresh_k/v (B, H_kv, n, D): the unquantized K/V of the n body tokens quantized by the update that made
-    this view (positions fresh_start ..), or None. They are not stored: the view lives for one forward,
-    so that queries of a multi-token chunk can see those tokens as the cache held them when each query
-    would have been decoded (`kvquant.attention`), whatever the chunk size.
+    fresh_k/v (B, H_kv, n, D): the unquantized K/V of the n body tokens encoded by the update that made this
+    view (positions fresh_start ..), or None. They are never stored: the view lives for one forward, so that
+    the queries of a multi-token chunk see those tokens as the cache held them when each query would have
+    been decoded (`kvquant.attention`), whatever the chunk size.
     """
 
-    sink_k: torch.Tensor | None
-    sink_v: torch.Tensor | None
-    key_body: QTensor | torch.Tensor | None
-    value_body: QTensor | torch.Tensor | None
-    recent_k: torch.Tensor | None
-    recent_v: torch.Tensor | None
+    block_size: int
+    fp_k: torch.Tensor
+    fp_v: torch.Tensor
+    sink: Region
+    body: Region
+    recent: Region
+    key_codec: Codec
+    value_codec: Codec
+    key_pages: dict[str, torch.Tensor]
+    value_pages: dict[str, torch.Tensor]
     scheme: Scheme
     backend: str
-    shape: torch.Size  # (B, H_kv, T, D) of everything stored
+    shape: torch.Size
+    start: int = 0
     fresh_k: torch.Tensor | None = None
     fresh_v: torch.Tensor | None = None
     fresh_start: int = 0
@@ -175,120 +89,239 @@ class LayerView:
     def __getitem__(self, index):
         raise TypeError(_NOT_KVQUANT_ATTENTION)
 
-    def _materialize(self, sink, body, recent, dtype: torch.dtype) -> torch.Tensor:
-        if isinstance(body, QTensor):
-            body = dequantize(body, dtype)
-        parts = [p.to(dtype) for p in (sink, body, recent) if p is not None and p.shape[2]]
+    def _materialize(self, fp: torch.Tensor, codec: Codec, pages: dict, dtype: torch.dtype) -> torch.Tensor:
+        fp_field = {"x": Field(fp.shape[1], 1, fp.shape[3], fp.dtype)}
+        parts = []
+        if self.sink.length:
+            parts.append(gather_region({"x": fp}, fp_field, self.sink)["x"].to(dtype))
+        if self.body.length:
+            parts.append(codec.decode(gather_region(pages, codec.fields(), self.body), dtype))
+        if self.recent.length:
+            parts.append(gather_region({"x": fp}, fp_field, self.recent)["x"].to(dtype))
+        if not parts:
+            return fp.new_zeros((self.shape[0], self.shape[1], 0, self.shape[3]), dtype=dtype)
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=2)
 
     def keys(self, dtype: torch.dtype) -> torch.Tensor:
-        """All keys dequantized, (B, H_kv, T, D): the reference path."""
-        return self._materialize(self.sink_k, self.key_body, self.recent_k, dtype)
+        """All keys of the view decoded, (B, H_kv, T, D): the reference path."""
+        return self._materialize(self.fp_k, self.key_codec, self.key_pages, dtype)
 
     def values(self, dtype: torch.dtype) -> torch.Tensor:
-        """All values dequantized, (B, H_kv, T, D): the reference path."""
-        return self._materialize(self.sink_v, self.value_body, self.recent_v, dtype)
+        """All values of the view decoded, (B, H_kv, T, D): the reference path."""
+        return self._materialize(self.fp_v, self.value_codec, self.value_pages, dtype)
+
+
+@dataclass
+class _Stored:
+    """A layer's parts gathered into contiguous tensors, for tests and inspection (never on a hot path)."""
+
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    key_fields: dict[str, torch.Tensor]
+    value_fields: dict[str, torch.Tensor]
+    recent_k: torch.Tensor
+    recent_v: torch.Tensor
 
 
 class QuantizedLayer(CacheLayerMixin):
-    """One decoder layer's K/V, stored as sink (FP) | quantized body | recent window (FP)."""
+    """One decoder layer's K/V in pages: sink (FP) | body (codec fields) | recent window (FP).
 
-    is_sliding = False
-    is_croppable = True
+    Args:
+        scheme: the layer's scheme (a string is parsed).
+        backend: "auto", "triton" or "torch" (`kvquant.backend`).
+        block_size: tokens per page; raised to a multiple of every codec's token group (channel-wise specs).
+        sliding_window: the model's window on a sliding-window layer (keys older than it are released), else None.
+        capacity: tokens per sequence to preallocate pages for (the pools double when they run out).
+    """
+
     is_compileable = False
+    is_croppable = True
 
-    def __init__(self, scheme: Scheme | str, backend: str = "auto"):
+    def __init__(
+        self,
+        scheme: Scheme | str,
+        backend: str = "auto",
+        *,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        sliding_window: int | None = None,
+        capacity: int = 256,
+    ):
         super().__init__()
-        self.scheme = parse_scheme(scheme)
-        kernels_enabled(backend, torch.device("cpu"))  # validates the name
-        self.backend = backend
-        self._clear()
-
-    def _clear(self) -> None:
-        self.sink_k: torch.Tensor | None = None
-        self.sink_v: torch.Tensor | None = None
-        self.key_body = Body(self.scheme.key)
-        self.value_body = Body(self.scheme.value)
-        self.recent_k: torch.Tensor | None = None
-        self.recent_v: torch.Tensor | None = None
+        scheme = parse_scheme(scheme)
+        if sliding_window is not None:
+            if sliding_window < 1:
+                raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+            # the model's mask never lets a query see a key behind its window: sinks there would be dead bytes
+            scheme = Scheme(scheme.key, scheme.value, 0, scheme.window, scheme.name)
+        if not isinstance(block_size, int) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        self.scheme = scheme
+        self.backend = check_backend(backend)
+        self.requested_block_size = block_size
+        self.sliding_window = sliding_window
+        self.is_sliding = sliding_window is not None
+        self.capacity = capacity
         self.is_initialized = False
+        self.length = self.body_len = self.dropped = 0
 
-    # ---- transformers' CacheLayerMixin interface
+    # ---- set-up
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.scheme.check_head_dim(key_states.shape[-1])
+        b, h, _, d = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
-        self.head_dim = key_states.shape[-1]
-        quantizer = _quantizer_for(self.backend, key_states.device)
-        self.key_body.quantizer = self.value_body.quantizer = quantizer
+        self.num_heads, self.head_dim = h, d
+        self.key_codec = codec_for(self.scheme.key, h, d, self.dtype)
+        self.value_codec = codec_for(self.scheme.value, h, d, self.dtype)
+        self.block_size = effective_block_size(
+            self.requested_block_size, self.key_codec.token_group, self.value_codec.token_group
+        )
+        pages = -(-self.capacity // self.block_size) * b
+        fp = Field(h, 1, d, self.dtype)
+        self.fp_pool = PagePool({"k": fp, "v": fp}, self.block_size, self.device, pages, "fp")
+        body_fields = {f"k.{n}": f for n, f in self.key_codec.fields().items()}
+        body_fields |= {f"v.{n}": f for n, f in self.value_codec.fields().items()}
+        self.body_pool = PagePool(body_fields, self.block_size, self.device, pages, "body")
+        self.sink_t = BlockTable(self.fp_pool, b)
+        self.body_t = BlockTable(self.body_pool, b)
+        self.recent_t = BlockTable(self.fp_pool, b)
+        self.length = 0  # tokens per sequence seen (positions 0 .. length - 1)
+        self.body_len = 0  # tokens encoded into the body (positions sink .. sink + body_len - 1)
+        self.dropped = 0  # positions below this are released (sliding-window layers only)
+        self._encode = _kernel_encoder(self.backend, self.device)
         self.is_initialized = True
+
+    # ---- transformers' CacheLayerMixin interface
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
     ) -> tuple[LayerView, LayerView]:
         """Append new K/V (B, H_kv, t, D); return a view of everything stored (for K and for V)."""
+        _check_states(key_states, value_states)
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        else:
+            self._check_same_shape(key_states)
+        view_start = self.dropped
         k, v = key_states, value_states
-        room = self.scheme.sink - self.sink_len
-        if room > 0:
-            self.sink_k = _cat(self.sink_k, k[:, :, :room])
-            self.sink_v = _cat(self.sink_v, v[:, :, :room])
-            k, v = k[:, :, room:], v[:, :, room:]
-        fresh = None
-        if k.shape[2]:
-            self.recent_k, self.recent_v = _cat(self.recent_k, k), _cat(self.recent_v, v)
-            fresh = self._flush()
-        view = self.view(fresh)
+        sink, p0 = self.scheme.sink, self.length
+        p1 = p0 + k.shape[2]
+        if p0 < sink:
+            n = min(sink - p0, k.shape[2])
+            self.sink_t.write(p0, {"k": k[:, :, :n], "v": v[:, :, :n]})
+            k, v = k[:, :, n:], v[:, :, n:]
+        q0 = p1 - k.shape[2]  # position of k[:, :, 0]
+        fresh = self._flush(p1, q0, k, v)
+        body_end = sink + self.body_len
+        w0 = max(q0, body_end)
+        if w0 < p1:
+            self.recent_t.write(w0 - sink, {"k": k[:, :, w0 - q0 :], "v": v[:, :, w0 - q0 :]})
+        self.recent_t.release_before((body_end - sink) // self.block_size)
+        self.length = p1
+        view = self.view(view_start, fresh)
+        if self.sliding_window is not None:
+            self._slide()
         return view, view
 
-    def _flush(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """Quantize whole token groups that have left the window; they are never touched again.
-        Returns the unquantized K/V of the tokens just quantized and their first position, or None."""
-        start = self.sink_len + self.key_body.num_tokens
-        n = self.scheme.quantized_end(self.get_seq_length()) - start
+    def _flush(
+        self, p1: int, q0: int, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """Encode the token groups that have left the window (once; they are never touched again).
+        k, v hold positions q0 .. p1 - 1. Returns the FP K/V just encoded and their first position."""
+        sink = self.scheme.sink
+        body_end = sink + self.body_len
+        n = self.scheme.quantized_end(p1) - body_end
         if n <= 0:
             return None
-        fresh_k, fresh_v = self.recent_k[:, :, :n], self.recent_v[:, :, :n]
-        self.key_body.append(fresh_k)
-        self.value_body.append(fresh_v)
-        # clone: a slice would keep the whole old buffer alive and nbytes() would under-count it
-        self.recent_k = self.recent_k[:, :, n:].clone()
-        self.recent_v = self.recent_v[:, :, n:].clone()
-        return fresh_k, fresh_v, start
+        if body_end < self.dropped:  # a sliding layer released them before they left the window: skip
+            skip = min(n, self.dropped - body_end)
+            self.body_len, body_end, n = self.body_len + skip, body_end + skip, n - skip
+            if n <= 0:
+                return None
+        old = min(body_end + n, q0) - body_end  # of the n, those already in the recent pages
+        fk, fv = k[:, :, : n - old], v[:, :, : n - old]
+        if old > 0:
+            held = self.recent_t.gather(body_end - sink, old)  # (B, H, old, D) each
+            fk, fv = torch.cat([held["k"], fk], dim=2), torch.cat([held["v"], fv], dim=2)
+        self._append_body(fk, fv)
+        return fk, fv, body_end
 
-    def view(self, fresh: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> LayerView:
-        def body(b: Body):
-            return b.dense if b.dense is not None else b.qtensor()
+    def _append_body(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Encode k, v (B, H, n, D) into body pages at body tokens [body_len, body_len + n)."""
+        bs, start = self.block_size, self.body_len
+        self.body_t.prepare(start // bs, -(-(start + k.shape[2]) // bs))
+        table, offset = self.body_t.tensor(), start - self.body_t.first * bs
+        for prefix, codec, x in (("k.", self.key_codec, k), ("v.", self.value_codec, v)):
+            pages = {name: self.body_pool.tensors[prefix + name] for name in codec.fields()}
+            if self._encode is not None and codec.kernel_layout() is not None:
+                self._encode(x, codec, pages, table, offset)
+            else:
+                self.body_pool.write(table, offset, {prefix + n: t for n, t in codec.encode(x).items()})
+        self.body_len += k.shape[2]
 
-        any_k = next(
-            t for t in (self.sink_k, self.recent_k, self.key_body.dense, self.key_body.codes) if t is not None
-        )
-        shape = torch.Size((*any_k.shape[:2], self.get_seq_length(), self.head_dim))
+    def _slide(self) -> None:
+        """Release the pages that hold only keys the model can no longer attend to (sliding layers)."""
+        keep_from = self.length - self.sliding_window + 1  # the next query attends to positions >= this
+        keep_page = max(keep_from, 0) // self.block_size  # sliding layers have no sink: page = position // bs
+        self.dropped = max(self.dropped, keep_page * self.block_size)
+        self.body_t.release_before(keep_page)
+        self.recent_t.release_before(keep_page)
+
+    def view(
+        self, start: int | None = None, fresh: tuple[torch.Tensor, torch.Tensor, int] | None = None
+    ) -> LayerView:
+        """What is stored from position `start` (default: the first position held) as a LayerView."""
+        start = self.dropped if start is None else start
+        sink = self.scheme.sink
+        body_end = sink + self.body_len
+        sink_region = self.sink_t.region(0, max(min(sink, self.length) - start, 0))
+        body_lo = max(start - sink, 0)
+        body_region = self.body_t.region(body_lo, max(self.body_len - body_lo, 0), sink + body_lo)
+        recent_lo = max(body_end, start)
+        recent_region = self.recent_t.region(recent_lo - sink, max(self.length - recent_lo, 0), recent_lo)
+        kv_len = sink_region.length + body_region.length + recent_region.length
+        fresh_k = fresh_v = None
+        fresh_start = 0
+        if fresh is not None:
+            fk, fv, f0 = fresh
+            cut = max(start - f0, 0)  # tokens a sliding layer no longer holds
+            if cut < fk.shape[2]:
+                fresh_k, fresh_v, fresh_start = fk[:, :, cut:], fv[:, :, cut:], f0 + cut
         return LayerView(
-            self.sink_k,
-            self.sink_v,
-            body(self.key_body),
-            body(self.value_body),
-            self.recent_k,
-            self.recent_v,
-            self.scheme,
-            self.backend,
-            shape,
-            *(fresh or ()),
+            block_size=self.block_size,
+            fp_k=self.fp_pool.tensors["k"],
+            fp_v=self.fp_pool.tensors["v"],
+            sink=sink_region,
+            body=body_region,
+            recent=recent_region,
+            key_codec=self.key_codec,
+            value_codec=self.value_codec,
+            key_pages={n: self.body_pool.tensors["k." + n] for n in self.key_codec.fields()},
+            value_pages={n: self.body_pool.tensors["v." + n] for n in self.value_codec.fields()},
+            scheme=self.scheme,
+            backend=self.backend,
+            shape=torch.Size((self.batch_size, self.num_heads, kv_len, self.head_dim)),
+            start=start,
+            fresh_k=fresh_k,
+            fresh_v=fresh_v,
+            fresh_start=fresh_start,
         )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        """(kv_length, kv_offset) of the next forward: the view starts at the first position still held."""
+        return self.length - self.dropped + query_length, self.dropped
 
     def get_seq_length(self) -> int:
-        return self.sink_len + self.key_body.num_tokens + self.recent_len
+        return self.length
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        self._clear()
+        if not self.is_initialized:
+            return
+        for table in self._tables():
+            table.clear()
+        self.length = self.body_len = self.dropped = 0
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last |tokens_to_remove| tokens (a negative number, as transformers' DynamicLayer)."""
@@ -296,47 +329,54 @@ class QuantizedLayer(CacheLayerMixin):
             raise ValueError(
                 f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as transformers does"
             )
-        keep = max(self.get_seq_length() + tokens_to_remove, 0)
         if tokens_to_remove == 0 or not self.is_initialized:
             return
-        keep_recent = keep - self.sink_len - self.key_body.num_tokens
-        # clones: a slice would keep the cropped tokens' memory alive (see _cat)
-        if keep_recent >= 0:
-            self.recent_k = self.recent_k[:, :, :keep_recent].clone()
-            self.recent_v = self.recent_v[:, :, :keep_recent].clone()
-            return
-        self.recent_k = self.recent_k[:, :, :0].clone() if self.recent_k is not None else None
-        self.recent_v = self.recent_v[:, :, :0].clone() if self.recent_v is not None else None
-        keep_body = keep - self.sink_len
-        if keep_body >= 0:
-            self.key_body.truncate(keep_body)
-            self.value_body.truncate(keep_body)
-            return
-        self.key_body = Body(self.scheme.key, self.key_body.quantizer)
-        self.value_body = Body(self.scheme.value, self.value_body.quantizer)
-        self.sink_k, self.sink_v = self.sink_k[:, :, :keep].clone(), self.sink_v[:, :, :keep].clone()
+        keep = max(self.length + tokens_to_remove, 0)
+        if keep < self.dropped:
+            raise ValueError(
+                f"cannot crop to {keep} tokens: this sliding-window layer released positions below {self.dropped}"
+            )
+        sink, bs = self.scheme.sink, self.block_size
+        body_end = sink + self.body_len
+        if keep >= body_end:
+            self.recent_t.truncate(-(-(keep - sink) // bs))
+        elif keep >= sink:
+            body = keep - sink
+            group = max(self.key_codec.token_group, self.value_codec.token_group)
+            if body % group:
+                raise ValueError(
+                    f"cannot crop to {body} quantized tokens: that splits a channel-wise group of {group} tokens; "
+                    "crop fewer tokens or use a larger window"
+                )
+            self.recent_t.clear()
+            self.body_t.truncate(-(-body // bs))
+            self.body_len = body
+        else:
+            self.recent_t.clear()
+            self.body_t.clear()
+            self.body_len = 0
+            self.sink_t.truncate(-(-keep // bs))
+        self.length = keep
 
-    def _map_batch(self, fn: TensorFn) -> None:
-        """Apply fn along the batch dimension of every stored tensor."""
+    def _select_rows(self, indices: list[int]) -> None:
         if not self.is_initialized:
             return
-        for name in ("sink_k", "sink_v", "recent_k", "recent_v"):
-            t = getattr(self, name)
-            if t is not None:
-                setattr(self, name, fn(t))
-        self.key_body.map(fn)
-        self.value_body.map(fn)
+        for table in self._tables():
+            table.select(indices)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._map_batch(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        """Beams: block tables are permuted and pages shared by reference count, never copied."""
+        self._select_rows([int(i) for i in beam_idx.tolist()])
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_batch(lambda t: t.repeat_interleave(repeats, dim=0))
+        if self.is_initialized:
+            self._select_rows([i for i in range(self.batch_size) for _ in range(repeats)])
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_batch(lambda t: t[indices])
+        if self.is_initialized:
+            self._select_rows(torch.arange(self.batch_size)[torch.as_tensor(indices).cpu()].tolist())
 
-    def offload(self):  # the parts are not `keys`/`values` tensors; keep them where they are
+    def offload(self):  # the pages stay where they are
         return None
 
     def prefetch(self):
@@ -344,18 +384,97 @@ class QuantizedLayer(CacheLayerMixin):
 
     # ---- kvquant's own
 
+    def _tables(self) -> tuple[BlockTable, BlockTable, BlockTable]:
+        return self.sink_t, self.body_t, self.recent_t
+
+    def _check_same_shape(self, k: torch.Tensor) -> None:
+        b, h, _, d = k.shape
+        if b != self.batch_size:
+            raise ValueError(
+                f"the batch size changed from {self.batch_size} to {b} without batch_select_indices / "
+                "reorder_cache: pass a new cache (or call cache.reset()) for a new batch"
+            )
+        if (h, d) != (self.num_heads, self.head_dim):
+            raise ValueError(
+                f"this layer stores {self.num_heads} KV heads of head_dim {self.head_dim}, but got K of shape "
+                f"{tuple(k.shape)}; one cache serves one model"
+            )
+        if k.dtype != self.dtype or k.device != self.device:
+            raise ValueError(
+                f"this layer stores {self.dtype} on {self.device}, got {k.dtype} on {k.device}; "
+                "keep the model's dtype and device fixed for one cache"
+            )
+
+    @property
+    def batch_size(self) -> int:
+        return self.sink_t.batch if self.is_initialized else 0
+
     @property
     def sink_len(self) -> int:
-        return 0 if self.sink_k is None else self.sink_k.shape[2]
+        return min(self.scheme.sink, self.length)
 
     @property
     def recent_len(self) -> int:
-        return 0 if self.recent_k is None else self.recent_k.shape[2]
+        return max(self.length - max(self.scheme.sink + self.body_len, self.dropped), 0)
+
+    def stored(self) -> _Stored:
+        """The stored parts as contiguous tensors (a copy): FP sink, codec fields of the body, FP recent."""
+        view = self.view()
+        fp = {"x": Field(self.num_heads, 1, self.head_dim, self.dtype)}
+
+        def fp_part(pool: torch.Tensor, region: Region) -> torch.Tensor:
+            return gather_region({"x": pool}, fp, region)["x"]
+
+        return _Stored(
+            sink_k=fp_part(view.fp_k, view.sink),
+            sink_v=fp_part(view.fp_v, view.sink),
+            key_fields=gather_region(view.key_pages, self.key_codec.fields(), view.body),
+            value_fields=gather_region(view.value_pages, self.value_codec.fields(), view.body),
+            recent_k=fp_part(view.fp_k, view.recent),
+            recent_v=fp_part(view.fp_v, view.recent),
+        )
 
     def nbytes(self) -> int:
-        """Bytes this layer really holds: FP sink and recent tokens, codes, scales and zeros."""
-        fp = sum(_nbytes(t) for t in (self.sink_k, self.sink_v, self.recent_k, self.recent_v))
-        return fp + self.key_body.nbytes + self.value_body.nbytes
+        """Bytes of the pages this layer's sequences hold (a partly filled page counts in full; a page
+        shared by several sequences once)."""
+        if not self.is_initialized:
+            return 0
+        fp_pages = self.sink_t.pages() | self.recent_t.pages()
+        return len(fp_pages) * self.fp_pool.page_bytes + len(self.body_t.pages()) * self.body_pool.page_bytes
+
+    def reserved_bytes(self) -> int:
+        """Bytes the layer's pools have preallocated, used or not."""
+        if not self.is_initialized:
+            return 0
+        return self.fp_pool.reserved_bytes + self.body_pool.reserved_bytes
+
+    def check(self) -> None:
+        """Verify the pools' reference counts and free lists (`kvquant.store.StoreError` if broken)."""
+        if self.is_initialized:
+            self.fp_pool.check()
+            self.body_pool.check()
+
+
+def _check_states(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    for name, t in (("key_states", key_states), ("value_states", value_states)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor (B, H_kv, T, D), got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have shape (B, H_kv, T, D), got {tuple(t.shape)}")
+    if key_states.shape != value_states.shape:
+        raise ValueError(
+            f"K and V must agree in (B, H_kv, T, D): K is {tuple(key_states.shape)}, "
+            f"V is {tuple(value_states.shape)}"
+        )
+
+
+def _kernel_encoder(backend: str, device: torch.device):
+    """The Triton quantize+pack-into-pages entry point when the backend selects kernels, else None."""
+    if not uses_kernels(backend, device):
+        return None
+    from .kernels import dispatch  # lazy: `import kvquant` never imports triton
+
+    return getattr(dispatch, "quantize_pack_into", None)
 
 
 @dataclass
@@ -367,41 +486,61 @@ class _Expect:
 
 
 class QuantizedCache(Cache):
-    """A transformers `Cache` whose layers store K/V quantized with `scheme`.
+    """A transformers `Cache` whose layers store K/V in pages, the body encoded with `scheme`.
 
     Args:
         scheme: a `Scheme` or a scheme string (`"int4-g64"`, `"kivi-2"`, ...).
-        config: the model's config; gives the number of layers and checks head_dim and the attention
-            implementation up front. Without it, layers are created as the model writes them.
+        config: the model's config; gives the number of layers, which layers are sliding-window, and checks
+            head_dim and the attention implementation up front. Without it, layers are created as the model
+            writes them (all full-attention).
         backend: "auto" (Triton kernels on CUDA when available, else PyTorch), "triton" or "torch".
+        block_size: tokens per page (16, as vLLM); raised to a multiple of a channel-wise token group.
+        capacity: tokens per sequence to preallocate pages for; the pools double beyond it.
 
     Use it as `model(ids, cache=cache)` or `model.generate(ids, cache=cache)`, on a model whose
     attention implementation is `kvquant.ATTN_IMPLEMENTATION` (`kvquant.load_model` sets it).
     """
 
-    def __init__(self, scheme: Scheme | str, config=None, *, backend: str = "auto"):
+    def __init__(
+        self,
+        scheme: Scheme | str,
+        config=None,
+        *,
+        backend: str = "auto",
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        capacity: int = 256,
+    ):
         self.scheme = parse_scheme(scheme)
-        kernels_enabled(backend, torch.device("cpu"))  # validates the name
-        self.backend = backend
+        self.backend = check_backend(backend)
         self._expect = _Expect()
+        self._fixed_layers = config is not None
+        kwargs = dict(backend=backend, block_size=block_size, capacity=capacity)
         if config is not None:
             shape = KVShape.from_config(config)
             self.scheme.check_head_dim(shape.head_dim)
             text = config.get_text_config() if hasattr(config, "get_text_config") else config
             self._expect = _Expect(getattr(text, "_attn_implementation", None))
-            layers = [QuantizedLayer(self.scheme, backend) for _ in range(shape.num_layers)]
+            layers = [
+                QuantizedLayer(self.scheme, sliding_window=shape.window_of(i), **kwargs)
+                for i in range(shape.num_layers)
+            ]
             super().__init__(layers=layers)
         else:
-            super().__init__(layer_class_to_replicate=lambda: QuantizedLayer(self.scheme, backend))
+            super().__init__(layer_class_to_replicate=lambda: QuantizedLayer(self.scheme, **kwargs))
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        if not isinstance(layer_idx, int) or layer_idx < 0 or (
+            self._fixed_layers and layer_idx >= len(self.layers)
+        ):
+            raise ValueError(
+                f"layer_idx {layer_idx!r} is out of range: this cache was built for {len(self.layers)} layers "
+                "(from the model's config); pass the config of the model that uses it"
+            )
         if not self._expect.checked:
             self._check_model(key_states)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _check_model(self, key_states: torch.Tensor) -> None:
-        from .attention import ATTN_IMPLEMENTATION
-
         impl = self._expect.attn_implementation
         if impl is not None and impl != ATTN_IMPLEMENTATION:
             raise ValueError(
@@ -409,13 +548,19 @@ class QuantizedCache(Cache):
                 f"load it with kvquant.load_model(), or call model.set_attn_implementation("
                 f"{ATTN_IMPLEMENTATION!r}) (after `import kvquant`)"
             )
-        self.scheme.check_head_dim(key_states.shape[-1])
+        if isinstance(key_states, torch.Tensor) and key_states.dim() == 4:
+            self.scheme.check_head_dim(key_states.shape[-1])
         self._expect.checked = True
 
     def nbytes(self) -> int:
-        """Bytes held by every layer: codes, scales, zeros and unquantized tokens."""
+        """Bytes of the pages every layer's sequences hold: codes, scales, zeros and FP tokens."""
         return sum(layer.nbytes() for layer in self.layers)
+
+    def reserved_bytes(self) -> int:
+        """Bytes preallocated by every layer's page pools (>= nbytes())."""
+        return sum(layer.reserved_bytes() for layer in self.layers)
 
     def __repr__(self) -> str:
         scheme, n, tokens = str(self.scheme), len(self.layers), self.get_seq_length()
-        return f"QuantizedCache(scheme={scheme!r}, layers={n}, tokens={tokens})"
+        bs = next((lay.block_size for lay in self.layers if lay.is_initialized), None)
+        return f"QuantizedCache(scheme={scheme!r}, layers={n}, tokens={tokens}, block_size={bs})"

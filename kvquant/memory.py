@@ -2,18 +2,24 @@
 
 FP16 baseline: 2 (K and V) * L layers * H_kv heads * d head_dim * B bytes per value, per token.
 Llama-3-70B (L=80, H_kv=8, d=128) at FP16: 2*80*8*128*2 = 327,680 B = 320 KiB per token.
-A quantized spec stores per token and head d*bits/8 bytes of codes plus its scales (and zeros):
+A quantized spec stores per token and head d*bits/8 bytes of codes plus its scales (and zeros), as its
+codec's fields declare (`kvquant.codec`):
     token: 1 per token      head: H_kv per token      group-N: H_kv*d/N per token
     channel-N: H_kv*d per N tokens
+The cache stores pages of block_size tokens, so `cache_bytes` rounds each region (sink, body, recent
+window) up to whole pages, exactly as the store holds them; `bytes_per_token` is the steady-state rate
+(full pages). A sliding-window layer holds only the pages its window still reaches.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-from .scheme import Granularity, QuantSpec, Scheme, parse_scheme
+from .codec import codec_for
+from .scheme import QuantSpec, Scheme, parse_scheme
 
 __all__ = [
     "KVShape",
@@ -22,6 +28,7 @@ __all__ = [
     "bytes_per_token",
     "fp16_bytes_per_token",
     "cache_bytes",
+    "layer_pages",
     "effective_bits",
     "saving",
 ]
@@ -34,16 +41,26 @@ class KVShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    sliding_window: int | None = None  # the window of the sliding-window layers, if any
+    sliding_layers: tuple[int, ...] = ()  # which layers attend only to that window
 
     @classmethod
     def from_config(cls, config) -> KVShape:
-        """From a transformers config (or a KVShape, returned as is)."""
+        """From a transformers config (or a KVShape, returned as is). Sliding-window layers come from the
+        config's `layer_types` ("sliding_attention") and `sliding_window`."""
         if isinstance(config, KVShape):
             return config
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        return cls(text.num_hidden_layers, heads, head_dim)
+        window = getattr(text, "sliding_window", None)
+        types = getattr(text, "layer_types", None) or ()
+        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else ()
+        return cls(text.num_hidden_layers, heads, head_dim, window if sliding else None, sliding)
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of `layer`, or None for a full-attention layer."""
+        return self.sliding_window if layer in self.sliding_layers else None
 
 
 KNOWN_SHAPES: dict[str, KVShape] = {
@@ -58,22 +75,20 @@ def _dtype_bytes(dtype: torch.dtype | int) -> int:
 
 
 def spec_bytes(
-    spec: QuantSpec, num_tokens: int, heads: int, head_dim: int, dtype: torch.dtype | int = 2
+    spec: QuantSpec | str, num_tokens: int, heads: int, head_dim: int, dtype: torch.dtype | int = 2
 ) -> int:
-    """Bytes one layer's K (or V) body holds for num_tokens tokens of one sequence under `spec`."""
-    value_bytes = _dtype_bytes(dtype)
-    spec.check_head_dim(head_dim)
-    if not spec.is_quantized:
-        return num_tokens * heads * head_dim * value_bytes
-    codes = num_tokens * heads * head_dim * spec.bits // 8
-    stats = {
-        Granularity.TOKEN: num_tokens,
-        Granularity.HEAD: num_tokens * heads,
-        Granularity.GROUP: num_tokens * heads * (head_dim // (spec.group_size or 1)),
-        Granularity.CHANNEL: (num_tokens // (spec.group_size or 1)) * heads * head_dim,
-    }[spec.granularity]
-    stat_bytes = _dtype_bytes(spec.scale_dtype) if spec.scale_dtype is not None else value_bytes
-    return codes + stats * stat_bytes * (1 if spec.symmetric else 2)
+    """Bytes one layer's K (or V) body holds for num_tokens tokens of one sequence under `spec` (no page
+    rounding; num_tokens a multiple of the spec's token group)."""
+    return codec_for(spec, heads, head_dim, _torch_dtype(dtype)).bytes(num_tokens)
+
+
+def _torch_dtype(dtype: torch.dtype | int) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    sizes = {2: torch.float16, 4: torch.float32, 8: torch.float64}
+    if dtype not in sizes:
+        raise ValueError(f"a K/V dtype of {dtype} bytes is not supported; pass a torch dtype")
+    return sizes[dtype]
 
 
 def bytes_per_token(config, scheme: Scheme | str, dtype: torch.dtype | int = torch.float16) -> float:
@@ -92,18 +107,56 @@ def fp16_bytes_per_token(config, dtype: torch.dtype | int = torch.float16) -> in
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * _dtype_bytes(dtype)
 
 
+def _pages(lo: int, hi: int, block_size: int) -> int:
+    """Pages holding region tokens [lo, hi): logical pages lo // bs .. (hi - 1) // bs."""
+    return 0 if hi <= lo else (hi - 1) // block_size - lo // block_size + 1
+
+
+def layer_pages(
+    scheme: Scheme, num_tokens: int, block_size: int, sliding_window: int | None = None
+) -> tuple[int, int]:
+    """(FP pages, body pages) one sequence of one layer holds after num_tokens tokens: the store's rules
+    (`kvquant.cache.QuantizedLayer`) as arithmetic. block_size is the effective one (a multiple of every
+    token group)."""
+    sink = 0 if sliding_window is not None else min(scheme.sink, num_tokens)
+    s = 0 if sliding_window is not None else scheme.sink
+    body_end = scheme.quantized_end(num_tokens) if sliding_window is None else _sliding_end(scheme, num_tokens)
+    dropped = 0
+    if sliding_window is not None:
+        dropped = max(num_tokens - sliding_window + 1, 0) // block_size * block_size
+    body_lo, body_hi = max(dropped - s, 0), max(body_end - s, 0)
+    recent_lo, recent_hi = max(body_end, dropped) - s, num_tokens - s
+    fp = _pages(0, sink, block_size) + _pages(recent_lo, recent_hi, block_size)
+    return fp, _pages(body_lo, body_hi, block_size)
+
+
+def _sliding_end(scheme: Scheme, num_tokens: int) -> int:
+    """quantized_end on a sliding layer, whose scheme has no sink."""
+    return Scheme(scheme.key, scheme.value, 0, scheme.window).quantized_end(num_tokens)
+
+
 def cache_bytes(
-    config, scheme: Scheme | str, num_tokens: int, batch: int = 1, dtype: torch.dtype | int = torch.float16
+    config,
+    scheme: Scheme | str,
+    num_tokens: int,
+    batch: int = 1,
+    dtype: torch.dtype | int = torch.float16,
+    block_size: int = 16,
 ) -> int:
-    """Exact bytes a QuantizedCache holds after num_tokens tokens per sequence, sink and window included."""
+    """Exact bytes a QuantizedCache holds after num_tokens tokens per sequence: whole pages of the sink,
+    the body and the recent window, per layer (sliding-window layers at their window)."""
     shape, scheme = KVShape.from_config(config), parse_scheme(scheme)
-    body = scheme.quantized_end(num_tokens) - min(scheme.sink, num_tokens)
-    fp_tokens = num_tokens - body
-    per_layer = 2 * fp_tokens * shape.num_kv_heads * shape.head_dim * _dtype_bytes(dtype)
-    per_layer += sum(
-        spec_bytes(s, body, shape.num_kv_heads, shape.head_dim, dtype) for s in (scheme.key, scheme.value)
-    )
-    return batch * shape.num_layers * per_layer
+    dtype = _torch_dtype(dtype)
+    kc = codec_for(scheme.key, shape.num_kv_heads, shape.head_dim, dtype)
+    vc = codec_for(scheme.value, shape.num_kv_heads, shape.head_dim, dtype)
+    bs = math.lcm(block_size, kc.token_group, vc.token_group)
+    fp_page = 2 * shape.num_kv_heads * bs * shape.head_dim * dtype.itemsize
+    body_page = kc.bytes(bs) + vc.bytes(bs)
+    total = 0
+    for layer in range(shape.num_layers):
+        fp, body = layer_pages(scheme, num_tokens, bs, shape.window_of(layer))
+        total += fp * fp_page + body * body_page
+    return batch * total
 
 
 def effective_bits(config, scheme: Scheme | str, dtype: torch.dtype | int = torch.float16) -> float:

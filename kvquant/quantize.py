@@ -1,8 +1,8 @@
 """quantize(x, spec) -> QTensor and dequantize(q), for K/V tensors of shape (B, H_kv, T, D).
 
-Every granularity is lowered to one form: a view `blocks` of shape (*scale_shape, G) whose last
-dimension holds the G elements that share one scale (and zero). Statistics reduce over that last
-dimension, so a new granularity is one entry in `_LOWERINGS`.
+Every granularity is lowered to one form by its `kvquant.codec.BlockExtent`: a view `blocks` of shape
+(*scale_shape, G) whose last dimension holds the G elements that share one scale (and zero). Statistics
+reduce over that last dimension; dequantize broadcasts the scale back with the same extent.
 
     granularity   scale/zero shape      G
     token         (B, 1, T, 1)          H * D
@@ -29,13 +29,13 @@ Bad values stay loud; they never turn into finite garbage.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from .codec import block_extent, torch_dtype
 from .packing import pack
-from .scheme import Granularity, QuantSpec
+from .scheme import QuantSpec, parse_spec
 
 __all__ = ["QTensor", "quantize", "dequantize", "fake_quantize", "scale_shape", "sqnr_db"]
 
@@ -60,60 +60,23 @@ class QTensor:
         zero = 0 if self.zero is None else self.zero.nbytes
         return self.codes.nbytes + self.scale.nbytes + zero
 
-
-Lowering = tuple[
-    Callable[[torch.Tensor, int | None], torch.Tensor], Callable[[torch.Tensor, torch.Size], torch.Tensor]
-]
-
-
-def _token_blocks(x: torch.Tensor, n: int | None) -> torch.Tensor:
-    b, h, t, d = x.shape
-    return x.transpose(1, 2).reshape(b, 1, t, 1, h * d)  # (B, 1, T, 1, H*D)
+    def fields(self) -> dict[str, torch.Tensor]:
+        """The stored fields by name, as `kvquant.codec.AffineCodec` lays them out."""
+        out = {"codes": self.codes, "scale": self.scale}
+        if self.zero is not None:
+            out["zero"] = self.zero
+        return out
 
 
-def _token_unblocks(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    b, h, t, d = shape
-    return blocks.reshape(b, t, h, d).transpose(1, 2)
-
-
-def _group_blocks(x: torch.Tensor, n: int | None) -> torch.Tensor:
-    b, h, t, d = x.shape
-    return x.reshape(b, h, t, d // n, n)  # (B, H, T, D/N, N)
-
-
-def _channel_blocks(x: torch.Tensor, n: int | None) -> torch.Tensor:
-    b, h, t, d = x.shape
-    return x.reshape(b, h, t // n, n, d).transpose(-1, -2)  # (B, H, T/N, D, N)
-
-
-def _channel_unblocks(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    return blocks.transpose(-1, -2).reshape(shape)
-
-
-_LOWERINGS: dict[Granularity, Lowering] = {
-    Granularity.TOKEN: (_token_blocks, _token_unblocks),
-    Granularity.HEAD: (
-        lambda x, n: x.unsqueeze(-2),
-        lambda blk, shape: blk.reshape(shape),
-    ),  # (B, H, T, 1, D)
-    Granularity.GROUP: (_group_blocks, lambda blk, shape: blk.reshape(shape)),
-    Granularity.CHANNEL: (_channel_blocks, _channel_unblocks),
-}
-
-
-def scale_shape(shape: torch.Size | tuple[int, ...], spec: QuantSpec) -> tuple[int, ...]:
+def scale_shape(shape: torch.Size | tuple[int, ...], spec: QuantSpec | str) -> tuple[int, ...]:
     """Shape of the scale (and zero) for a (B, H, T, D) tensor quantized with `spec`."""
-    b, h, t, d = shape
-    n = spec.group_size
-    return {
-        Granularity.TOKEN: (b, 1, t, 1),
-        Granularity.HEAD: (b, h, t, 1),
-        Granularity.GROUP: (b, h, t, d // n if n else 0),
-        Granularity.CHANNEL: (b, h, t // n if n else 0, d),
-    }[spec.granularity]
+    spec = parse_spec(spec)
+    return block_extent(spec, shape[1], shape[3]).stat_shape(tuple(shape))
 
 
 def _check(x: torch.Tensor, spec: QuantSpec) -> None:
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"expected K/V as a torch.Tensor of shape (B, H_kv, T, D), got {type(x).__name__}")
     if not spec.is_quantized:
         raise ValueError("spec is fp16: there is nothing to quantize")
     if x.dim() != 4:
@@ -121,9 +84,10 @@ def _check(x: torch.Tensor, spec: QuantSpec) -> None:
     if not x.is_floating_point():
         raise TypeError(f"expected a floating-point tensor, got {x.dtype}")
     spec.check_head_dim(x.shape[-1])
-    if spec.granularity is Granularity.CHANNEL and x.shape[2] % spec.group_size:
+    tokens = block_extent(spec, x.shape[1], x.shape[3]).tokens
+    if x.shape[2] % tokens:
         raise ValueError(
-            f"channel granularity groups {spec.group_size} tokens, but T={x.shape[2]} is not a multiple; "
+            f"{spec} groups {tokens} tokens, but T={x.shape[2]} is not a multiple; "
             "quantize whole groups (the cache keeps an incomplete group in FP16 until it fills)"
         )
 
@@ -142,13 +106,15 @@ def _round_up_to_cover(scale: torch.Tensor, span: torch.Tensor, qmax: int) -> to
     return torch.where(short, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale)
 
 
-def quantize(x: torch.Tensor, spec: QuantSpec) -> QTensor:
-    """Quantize x (B, H_kv, T, D) with `spec`; see the module docstring for the arithmetic."""
+def quantize(x: torch.Tensor, spec: QuantSpec | str) -> QTensor:
+    """Quantize x (B, H_kv, T, D) with `spec` (a QuantSpec or a spec string such as "int4-g64");
+    see the module docstring for the arithmetic."""
+    spec = parse_spec(spec)
     _check(x, spec)
-    to_blocks, from_blocks = _LOWERINGS[spec.granularity]
-    blocks = to_blocks(x.float(), spec.group_size)  # (*S, G)
+    extent = block_extent(spec, x.shape[1], x.shape[3])
+    blocks = extent.blocks(x.float())  # (*stat_shape, G)
     finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
-    sdtype = spec.scale_dtype or x.dtype
+    sdtype = torch_dtype(spec.scale_dtype) if spec.scale_dtype else x.dtype
     if spec.symmetric:
         scale = _round(blocks.abs().amax(dim=-1, keepdim=True), sdtype, up=True)
         s = scale.float()
@@ -168,7 +134,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> QTensor:
     q = torch.where((s > 0) & finite, q, 0.0 if not spec.symmetric else float(offset))
     q = torch.where(finite, q, 0.0)
     scale = torch.where(finite, scale, torch.nan)
-    codes = from_blocks(q.to(torch.uint8), x.shape)  # (B, H, T, D)
+    codes = extent.unblocks(q.to(torch.uint8), x.shape)  # (B, H, T, D)
     squeeze = -1  # the reduced G dimension
     zero = None if zero is None else zero.squeeze(squeeze).contiguous()
     return QTensor(
@@ -191,17 +157,6 @@ def _code_table(spec: QuantSpec, device: torch.device) -> torch.Tensor:
     return table
 
 
-def _blocked(values: torch.Tensor, stat: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of values (B, H, T, D) and a scale or zero (`scale_shape`) that broadcast against each other."""
-    b, h, t, d = values.shape
-    n = spec.group_size
-    if spec.granularity is Granularity.GROUP:
-        return values.view(b, h, t, d // n, n), stat.unsqueeze(-1)
-    if spec.granularity is Granularity.CHANNEL:
-        return values.view(b, h, t // n, n, d), stat.unsqueeze(-2)
-    return values, stat  # token (B, 1, T, 1) and head (B, H, T, 1) broadcast as they are
-
-
 def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """QTensor -> tensor of q.shape, in `dtype` (default: the dtype that was quantized)."""
     spec = q.spec
@@ -212,25 +167,27 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     else:
         table = _code_table(spec, q.codes.device)
         values = table[q.codes.long()].flatten(-2)[..., : q.shape[-1]].contiguous()  # (B, H, T, D) fp32
-    blocks, scale = _blocked(values, q.scale.float(), spec)
+    extent = block_extent(spec, q.shape[1], q.shape[3])
+    blocks, scale = extent.broadcast(values, q.scale.float())
     if spec.symmetric:
         x = blocks * scale
     else:
-        x = blocks * scale + _blocked(values, q.zero.float(), spec)[1]
+        x = blocks * scale + extent.broadcast(values, q.zero.float())[1]
     return x.reshape(q.shape).to(dtype or q.dtype)
 
 
-def fake_quantize(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """dequantize(quantize(x)); for channel specs an incomplete last token group stays as it is,
-    as the cache keeps it."""
+def fake_quantize(x: torch.Tensor, spec: QuantSpec | str) -> torch.Tensor:
+    """Encode then decode x (B, H, T, D) with the spec's codec; an incomplete last token group
+    (channel-wise specs) stays as it is, as the cache keeps it."""
+    from .codec import codec_for
+
+    spec = parse_spec(spec)
     if not spec.is_quantized:
         return x
-    if spec.granularity is Granularity.CHANNEL:
-        full = x.shape[2] - x.shape[2] % spec.group_size
-        if full < x.shape[2]:
-            head = dequantize(quantize(x[:, :, :full], spec)) if full else x[:, :, :0]
-            return torch.cat([head, x[:, :, full:]], dim=2)
-    return dequantize(quantize(x, spec))
+    codec = codec_for(spec, x.shape[1], x.shape[3], x.dtype)
+    full = x.shape[2] - x.shape[2] % codec.token_group
+    head = codec.decode(codec.encode(x[:, :, :full]), x.dtype) if full else x[:, :, :0]
+    return head if full == x.shape[2] else torch.cat([head, x[:, :, full:]], dim=2)
 
 
 def sqnr_db(x: torch.Tensor, x_hat: torch.Tensor) -> float:

@@ -26,8 +26,6 @@ import math
 import re
 from dataclasses import dataclass, field
 
-import torch
-
 __all__ = [
     "Granularity",
     "QuantSpec",
@@ -55,8 +53,10 @@ class Granularity(str, enum.Enum):
     CHANNEL = "channel"  # (B, H, T, D) -> scale (B, H, T // N, D)
 
 
-SCALE_DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-_DTYPE_NAMES = {v: k for k, v in SCALE_DTYPES.items()}
+# Stored-scale dtypes by name: this module never imports torch (CLIs validate schemes before heavy imports);
+# `kvquant.codec.torch_dtype` maps a name to its torch dtype.
+SCALE_DTYPES: tuple[str, ...] = ("fp16", "bf16", "fp32")
+_TORCH_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
 BITS = (16, 8, 4, 2)
 
 
@@ -68,14 +68,15 @@ class QuantSpec:
     granularity: see `Granularity`.
     group_size: channels per group (GROUP) or tokens per group (CHANNEL); None otherwise.
     symmetric: absmax with signed codes, or min/max with a float zero point.
-    scale_dtype: dtype of stored scales and zeros; None stores them in the K/V dtype.
+    scale_dtype: name of the dtype of stored scales and zeros ("fp16", "bf16", "fp32"); None stores them
+        in the K/V dtype.
     """
 
     bits: int
     granularity: Granularity = Granularity.TOKEN
     group_size: int | None = None
     symmetric: bool = False
-    scale_dtype: torch.dtype | None = None
+    scale_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
@@ -104,9 +105,14 @@ class QuantSpec:
             )
         if not needs_group and self.group_size is not None:
             raise SchemeError(f"{self.granularity.value} granularity takes no group size")
-        if self.scale_dtype is not None and self.scale_dtype not in _DTYPE_NAMES:
+        if self.scale_dtype is not None and not isinstance(self.scale_dtype, str):
+            # a torch dtype given directly (torch.float16 prints as "torch.float16"); stored by name
+            name = _TORCH_NAMES.get(str(self.scale_dtype))
+            object.__setattr__(self, "scale_dtype", name or str(self.scale_dtype))
+        if self.scale_dtype is not None and self.scale_dtype not in SCALE_DTYPES:
             raise SchemeError(
-                f"scale_dtype {self.scale_dtype} is not supported; use one of {list(SCALE_DTYPES)}"
+                f"scale_dtype {self.scale_dtype!r} is not supported; use one of {list(SCALE_DTYPES)} "
+                "(by name)"
             )
 
     @property
@@ -224,8 +230,14 @@ def _option_kind(opt: str) -> str | None:
     return None
 
 
-def parse_spec(text: str) -> QuantSpec:
-    """Parse one K or V spec such as `int4-g64` or `int4-channel-g64-sym`."""
+def parse_spec(text: str | QuantSpec) -> QuantSpec:
+    """Parse one K or V spec such as `int4-g64` or `int4-channel-g64-sym` (a QuantSpec passes through)."""
+    if isinstance(text, QuantSpec):
+        return text
+    if not isinstance(text, str):
+        raise TypeError(
+            f"parse_spec takes a spec string such as 'int4-g64' or a QuantSpec, not {type(text).__name__}"
+        )
     text = text.strip().lower()
     if text in ("fp16", "bf16", "fp32", "none", "int16"):
         return FP16
@@ -258,7 +270,7 @@ def parse_spec(text: str) -> QuantSpec:
         elif opt in ("sym", "asym"):
             symmetric = opt == "sym"
         elif opt.startswith("s") and opt[1:] in SCALE_DTYPES:
-            scale_dtype = SCALE_DTYPES[opt[1:]]
+            scale_dtype = opt[1:]
         else:
             raise _spec_error(text, f"unknown option -{opt}")
         i += 1
@@ -283,7 +295,7 @@ def format_spec(spec: QuantSpec) -> str:
     if spec.symmetric != (spec.bits == 8):
         parts.append("sym" if spec.symmetric else "asym")
     if spec.scale_dtype is not None:
-        parts.append("s" + _DTYPE_NAMES[spec.scale_dtype])
+        parts.append("s" + spec.scale_dtype)
     return "-".join(parts)
 
 
@@ -312,8 +324,13 @@ def parse_scheme(text: str | Scheme) -> Scheme:
     """Parse a scheme string (or pass a Scheme through). Raises SchemeError naming the bad part."""
     if isinstance(text, Scheme):
         return text
-    if not isinstance(text, str) or not text.strip():
-        raise _scheme_error(str(text), "it is empty")
+    if not isinstance(text, str):
+        raise TypeError(
+            f"parse_scheme takes a scheme string such as 'int4-g64' or a Scheme, not {type(text).__name__} "
+            f"({text!r})"
+        )
+    if not text.strip():
+        raise _scheme_error(text, "it is empty")
     raw = text.strip().lower().replace(" ", "")
     if raw in _PRESET_DEFS:
         return dataclasses.replace(parse_scheme(_PRESET_DEFS[raw][0]), name=raw)

@@ -38,27 +38,35 @@ def _run(model, ids, cache, chunks: list[int] | int | None = None, **kwargs) -> 
     return torch.cat(out, dim=1)
 
 
-def _storage_bytes(layer: QuantizedLayer) -> int:
-    """Bytes of the storages behind every tensor a layer keeps (what it really holds in memory)."""
-    tensors = [layer.sink_k, layer.sink_v, layer.recent_k, layer.recent_v]
-    for body in (layer.key_body, layer.value_body):
-        tensors += [body.codes, body.scale, body.zero, body.dense]
-    return sum(t.untyped_storage().nbytes() for t in tensors if t is not None)
+def _held_bytes(layer: QuantizedLayer) -> int:
+    """Bytes of the pages a layer's tables hold, counted from its state: sink, body and recent pages
+    (every sequence its own pages: no sharing in these tests)."""
+    if not layer.is_initialized:
+        return 0
+    bs = layer.block_size
+    sink_end = layer.sink_len
+    body_lo, body_hi = max(layer.dropped - layer.scheme.sink, 0), layer.body_len
+    rec_lo = max(layer.scheme.sink + layer.body_len, layer.dropped) - layer.scheme.sink
+    rec_hi = layer.length - layer.scheme.sink
+    fp = memory._pages(0, sink_end, bs) + memory._pages(rec_lo, rec_hi, bs)
+    body = memory._pages(body_lo, body_hi, bs)
+    return layer.batch_size * (fp * layer.fp_pool.page_bytes + body * layer.body_pool.page_bytes)
 
 
-def _stored_parts(layer: QuantizedLayer) -> dict[str, torch.Tensor | None]:
-    """Every tensor a layer keeps outside its window, by name."""
-    kb, vb = layer.key_body, layer.value_body
-    return dict(
-        sink_k=layer.sink_k,
-        sink_v=layer.sink_v,
-        kc=kb.codes,
-        ks=kb.scale,
-        kz=kb.zero,
-        vc=vb.codes,
-        vs=vb.scale,
-        vz=vb.zero,
-    )
+def _check_storage(cache) -> None:
+    """The store's invariants hold, pools reserve at least what is held, and held == the layer's state."""
+    for layer in cache.layers:
+        layer.check()
+        assert layer.reserved_bytes() >= layer.nbytes() == _held_bytes(layer)
+
+
+def _stored_parts(layer: QuantizedLayer) -> dict[str, torch.Tensor]:
+    """Every tensor a layer keeps outside its window, by name (gathered from its pages)."""
+    st = layer.stored()
+    parts = dict(sink_k=st.sink_k, sink_v=st.sink_v)
+    parts |= {f"k.{n}": t for n, t in st.key_fields.items()}
+    parts |= {f"v.{n}": t for n, t in st.value_fields.items()}
+    return parts
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +106,7 @@ def test_fp16_equals_dynamic_cache_gqa_variants(kv_heads):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=0)
     c = kvquant.QuantizedCache("int8", m.config)
     _run(m, ids, c)
-    assert c.layers[0].key_body.codes.shape == (2, kv_heads, 20, 64)
+    assert c.layers[0].stored().key_fields["codes"].shape == (2, kv_heads, 20, 64)
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4-g32", "int2-head", "int4-g16-sym-sfp32"])
@@ -154,7 +162,7 @@ def test_chunk_attends_to_its_own_tokens_unquantized_inside_the_window(model64):
     fp = _run(model64, ids, DynamicCache(config=model64.config))
     cache = kvquant.QuantizedCache(scheme, model64.config)
     got = _run(model64, ids, cache)
-    assert cache.layers[0].key_body.num_tokens == 28  # 60 - window: stored quantized after the forward
+    assert cache.layers[0].body_len == 28  # 60 - window: stored quantized after the forward
     torch.testing.assert_close(got[:, :32], fp[:, :32], atol=1e-9, rtol=0)  # positions 0..31: all in window
     assert (got[:, 32:] - fp[:, 32:]).abs().max() > 1e-3  # from 32 on, token 0 is quantized
 
@@ -286,7 +294,7 @@ ACCOUNTING = "k=int4-channel-g16,v=int4-g16,sink=4,window=8"
 
 
 def _parts(layer: QuantizedLayer) -> tuple[int, int, int]:
-    return layer.sink_len, layer.key_body.num_tokens, layer.recent_len
+    return layer.sink_len, layer.body_len, layer.recent_len
 
 
 @pytest.mark.parametrize("chunks", [1, 5, [40, 13, 2]], ids=str)
@@ -303,7 +311,7 @@ def test_sink_window_body_lengths(model, chunks):
         body = max(t - 4 - 8, 0) // 16 * 16
         for layer in cache.layers:
             assert _parts(layer) == (sink, body, t - sink - body), t
-            assert layer.value_body.num_tokens == body
+            assert layer.stored().value_fields["codes"].shape[2] == body
         assert cache.get_seq_length() == t
 
 
@@ -313,13 +321,13 @@ def test_append_never_requantizes(model):
     ids = _ids(1, 90, seed=11)
     _run(model, ids[:, :30], cache)
     snap = [{name: t.clone() for name, t in _stored_parts(layer).items()} for layer in cache.layers]
-    assert cache.layers[0].key_body.num_tokens == 16
+    assert cache.layers[0].body_len == 16
     for n in (1, 7, 30, 22):
         _run(model, ids[:, 30 : 30 + n] if n else ids, cache)
         ids = torch.cat(
             [ids[:, :30], ids[:, 30 + n :], ids[:, 30 : 30 + n]], dim=1
         )  # keep feeding new tokens
-    assert cache.layers[0].key_body.num_tokens == 64
+    assert cache.layers[0].body_len == 64
     for layer, old in zip(cache.layers, snap, strict=True):
         new = _stored_parts(layer)
         for name, before in old.items():
@@ -334,7 +342,8 @@ def test_body_holds_what_was_quantized_on_arrival(model):
     k, v = torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64)
     layer.update(k, v)
     q = kvquant.quantize(k, kvquant.parse_scheme("int4-g32").key)
-    assert torch.equal(layer.key_body.codes, q.codes) and torch.equal(layer.key_body.scale, q.scale)
+    stored = layer.stored().key_fields
+    assert torch.equal(stored["codes"], q.codes) and torch.equal(stored["scale"], q.scale)
     view, _ = layer.update(k[:, :, :1], v[:, :, :1])
     assert view.shape == (1, 2, 6, 64)
     torch.testing.assert_close(view.keys(torch.float32)[:, :, :5], kvquant.dequantize(q), atol=0, rtol=0)
@@ -367,15 +376,15 @@ def test_nbytes_equals_formula_and_storage(model, scheme):
             t += n
             expected = memory.cache_bytes(model.config, scheme, t, batch=2, dtype=torch.float32)
             assert cache.nbytes() == expected, (chunks, t)
-            # the cache holds what it claims: no view keeps a larger buffer alive
-            assert sum(_storage_bytes(layer) for layer in cache.layers) == expected, (chunks, t)
+            _check_storage(cache)
 
 
 def test_int4_is_packed_two_per_byte(model):
     cache = kvquant.QuantizedCache("int4-g32", model.config)
     _run(model, _ids(1, 10), cache)
-    assert cache.layers[0].key_body.codes.shape == (1, 2, 10, 32)
-    assert cache.layers[0].key_body.codes.dtype == torch.uint8
+    codes = cache.layers[0].stored().key_fields["codes"]
+    assert codes.shape == (1, 2, 10, 32) and codes.dtype == torch.uint8
+    assert cache.layers[0].body_pool.tensors["k.codes"].shape[1:] == (2, 16, 32)  # (P, H_kv, block, D/2)
 
 
 # ---------------------------------------------------------------------------------------- crop / reset
@@ -394,10 +403,7 @@ def test_crop_fp16_matches_dynamic_cache(model, remove):
     cache.crop(-remove)
     keep = max(25 - remove, 0)
     assert cache.get_seq_length() == ref_cache.get_seq_length() == keep
-    assert cache.nbytes() == memory.cache_bytes(
-        model.config, "fp16,sink=4,window=6", keep, dtype=torch.float32
-    )
-    assert sum(_storage_bytes(layer) for layer in cache.layers) == cache.nbytes()
+    _check_storage(cache)
     torch.testing.assert_close(_run(model, more, cache), _run(model, more, ref_cache), atol=1e-5, rtol=0)
 
 
@@ -408,18 +414,16 @@ def test_crop_quantized_keeps_prefix(model, remove):
     cache = kvquant.QuantizedCache(scheme, model.config)
     _run(model, ids, cache)
     layer = cache.layers[1]
-    codes, recent = layer.key_body.codes.clone(), layer.recent_k.clone()
+    codes, recent = layer.stored().key_fields["codes"], layer.stored().recent_k
     cache.crop(-remove)
     keep = 30 - remove
     assert cache.get_seq_length() == keep
     sink, body, rec = _parts(layer)
     assert sink == min(keep, 4) and sink + body + rec == keep
-    if body:
-        assert torch.equal(layer.key_body.codes, codes[:, :, :body])
-    else:
-        assert layer.key_body.codes is None
-    assert torch.equal(layer.recent_k, recent[:, :, :rec])
-    assert sum(_storage_bytes(layer) for layer in cache.layers) == cache.nbytes()
+    stored = layer.stored()
+    assert torch.equal(stored.key_fields["codes"], codes[:, :, :body])
+    assert torch.equal(stored.recent_k, recent[:, :, :rec])
+    _check_storage(cache)
     _run(model, _ids(1, 3, seed=16), cache)  # and it goes on
     assert cache.get_seq_length() == keep + 3
 

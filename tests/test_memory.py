@@ -17,7 +17,11 @@ def test_fp16_formula(shape, dtype, b):
     expected = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * b
     assert memory.fp16_bytes_per_token(shape, dtype) == expected
     assert memory.bytes_per_token(shape, "fp16", dtype) == expected
-    assert memory.cache_bytes(shape, "fp16", 100, batch=3, dtype=dtype) == 300 * expected
+    # pages of 16 tokens: 100 tokens take 7 pages (112 tokens' worth), 112 take the same, 113 one more
+    assert memory.cache_bytes(shape, "fp16", 100, batch=3, dtype=dtype) == 3 * 112 * expected
+    assert memory.cache_bytes(shape, "fp16", 112, batch=3, dtype=dtype) == 3 * 112 * expected
+    assert memory.cache_bytes(shape, "fp16", 113, batch=3, dtype=dtype) == 3 * 128 * expected
+    assert memory.cache_bytes(shape, "fp16", 100, dtype=dtype, block_size=1) == 100 * expected
 
 
 def test_llama3_70b_numbers():
@@ -77,19 +81,21 @@ def test_savings_sensible():
 
 
 def test_cache_bytes_sink_window_and_channel_groups():
+    """Pages of 16 tokens, counted by hand: sink | body | recent, each region rounded up to whole pages."""
     s = KVShape(1, 1, 64)
-    # sink=4, window=8, K channel-g16: after T tokens, sink min(T, 4), body a multiple of 16 with >= 8 left
+    # sink=4, window=8, K channel-g16: after T tokens, sink min(T, 4), body a multiple of 16 with >= 8 left;
+    # recent tokens (position p >= 4) sit in logical page (p - 4) // 16.
     scheme = "k=int4-channel-g16,v=int4-g16,sink=4,window=8"
-    for t, fp, body in [
+    for t, fp_pages, body in [
         (0, 0, 0),
-        (3, 3, 0),
-        (12, 12, 0),
-        (27, 27, 0),
-        (28, 12, 16),
-        (43, 27, 16),
-        (44, 12, 32),
+        (3, 1, 0),  # sink page
+        (12, 2, 0),  # sink page + recent 4..11 (page 0)
+        (27, 3, 0),  # sink + recent 4..26 (pages 0, 1)
+        (28, 2, 16),  # sink + recent 20..27 (page 1); body page 0
+        (43, 3, 16),  # sink + recent 20..42 (pages 1, 2)
+        (44, 2, 32),  # sink + recent 36..43 (page 2); body pages 0, 1
     ]:
-        expected = 2 * fp * 64 * 2
+        expected = 2 * fp_pages * 16 * 64 * 2
         expected += body * 32 + (body // 16) * 64 * 2 * 2  # K: codes + per-channel scale/zero per 16 tokens
         expected += body * 32 + body * 4 * 2 * 2  # V: codes + scale/zero per 16 channels
         assert memory.cache_bytes(s, scheme, t) == expected, t

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvquant.codec import torch_dtype
 from kvquant.packing import unpack
 from kvquant.quantize import dequantize, fake_quantize, quantize, scale_shape, sqnr_db
 from kvquant.scheme import Granularity, QuantSpec, parse_spec
@@ -329,6 +330,6 @@ def test_narrow_scale_dtype_never_clips(base, scale_dtype):
     spec = parse_spec(f"{base}-{scale_dtype}")
     x = _kv((2, 3, 16, 32), seed=3) + 100.3
     q = quantize(x, spec)
-    assert q.scale.dtype == spec.scale_dtype
+    assert q.scale.dtype == torch_dtype(spec.scale_dtype)
     err = (dequantize(q) - x).abs()
     assert (err <= _step(q) / 2 * (1 + 1e-5) + 1e-4).all()

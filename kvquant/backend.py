@@ -1,0 +1,31 @@
+"""Which path serves a call: the Triton kernels or the PyTorch reference. Nothing else decides it.
+
+    "auto"    the kernels on CUDA when triton is importable, else the reference
+    "triton"  the kernels always (on the CPU only under TRITON_INTERPRET=1)
+    "torch"   the reference always
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+
+__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "check_backend", "uses_kernels"]
+
+ATTN_IMPLEMENTATION = "kvquant"  # the name kvquant's attention is registered under in transformers
+BACKENDS = ("auto", "triton", "torch")
+
+
+def check_backend(backend: str) -> str:
+    """The backend name, or a ValueError listing the known ones."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
+    return backend
+
+
+def uses_kernels(backend: str, device: torch.device) -> bool:
+    """Whether the Triton kernels serve this backend on this device."""
+    if check_backend(backend) == "triton":
+        return True
+    return backend == "auto" and device.type == "cuda" and importlib.util.find_spec("triton") is not None
