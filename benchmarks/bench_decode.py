@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="a few points per layout")
     p.add_argument("--key-points", action="store_true",
                    help="INT4-g64 and INT8 at 16k/32k, batch 1 and 8, Llama-3-8B layout")
-    p.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    p.add_argument("--layouts", nargs="+", default=None, choices=list(LAYOUTS))
     p.add_argument("--schemes", nargs="+", default=None)
     p.add_argument("--contexts", nargs="+", type=int, default=None)
     p.add_argument("--batches", nargs="+", type=int, default=None)
@@ -57,7 +57,7 @@ def plan(args) -> list[tuple[str, str, int, int]]:
     if args.key_points:
         return [("llama3-8b", s, t, b) for s in ("int4-g64", "int8") for t in (16384, 32768) for b in (1, 8)]
     if args.interpret:  # the interpreter runs every program in Python: keep it tiny
-        contexts, batches = args.contexts or [256], args.batches or [1]
+        contexts, batches = args.contexts or [128], args.batches or [1]
         schemes = args.schemes or ["int4-g64", "int8"]
     elif args.quick:
         contexts, batches = args.contexts or [4096, 32768], args.batches or [1, 8]
@@ -65,7 +65,8 @@ def plan(args) -> list[tuple[str, str, int, int]]:
     else:
         contexts, batches = args.contexts or CONTEXTS, args.batches or BATCHES
         schemes = args.schemes or SCHEMES
-    return [(lay, s, t, b) for lay in args.layouts for s in schemes for t in contexts for b in batches]
+    layouts = args.layouts or (["smollm2-135m"] if args.interpret else list(LAYOUTS))
+    return [(lay, s, t, b) for lay in layouts for s in schemes for t in contexts for b in batches]
 
 
 def bench(fn, device) -> tuple[float, float, float]:
@@ -121,39 +122,37 @@ def fits(device, h_kv: int, d: int, t: int, b: int, fraction: float) -> bool:
 def run_point(layout: str, scheme_text: str, t: int, b: int, device, copy_bw: float) -> list[dict]:
     import torch
     import torch.nn.functional as F
-    from kvquant.kernels.decode_attention import decode_attention
-    from kvquant.kernels.quantize_pack import quantize_pack
+    from kvquant.kernels.decode_attention import _gather_fields, decode_attention
+    from kvquant.kernels.testing import make_paged_layer
 
-    from kvquant.quantize import QTensor, dequantize
     from kvquant.scheme import parse_scheme
 
     h_q, h_kv, d = LAYOUTS[layout]
     scheme = parse_scheme(scheme_text)
     dtype = torch.float16
-    g = torch.Generator(device=device).manual_seed(0)
-    q = torch.randn(b, h_q, 1, d, dtype=dtype, device=device, generator=g)
-    k = torch.randn(b, h_kv, t, d, dtype=dtype, device=device, generator=g)
-    v = torch.randn(b, h_kv, t, d, dtype=dtype, device=device, generator=g)
-    kq = quantize_pack(k, scheme.key) if scheme.key.is_quantized else k
-    vq = quantize_pack(v, scheme.value) if scheme.value.is_quantized else v
+    bs = max(16, scheme.tokens_per_flush)
+    t = t // bs * bs
+    layer = make_paged_layer(b=b, h_kv=h_kv, d=d, sink=0, body=t, recent=0, k=str(scheme.key),
+                             v=str(scheme.value), dtype=dtype, device=device, block_size=bs, spare=0)
+    q = torch.randn(b, h_q, 1, d, dtype=dtype, device=device)
+    kc, vc = layer.key_codec, layer.value_codec
 
-    def nbytes(x) -> int:
-        return x.nbytes if isinstance(x, QTensor) else x.numel() * x.element_size()
+    def dequant(which):
+        codec, pages = (kc, layer.key_pages) if which == "k" else (vc, layer.value_pages)
+        return codec.decode(_gather_fields(pages, codec, layer.body), dtype)
 
-    def deq(x):
-        return dequantize(x, dtype) if isinstance(x, QTensor) else x
-
-    fused_bytes = nbytes(kq) + nbytes(vq)
-    fp16_bytes = nbytes(k) + nbytes(v)
+    k, v = dequant("k"), dequant("v")  # (B, H_kv, T, D) FP16: the SDPA baseline's cache
+    fused_bytes = kc.bytes(t) * b + vc.bytes(t) * b
+    fp16_bytes = 2 * k.numel() * k.element_size()
     methods = {
-        "fused": (lambda: decode_attention(q, None, None, kq, vq, None, None), fused_bytes),
+        "fused": (lambda: decode_attention(q, *layer.decode_args()), fused_bytes),
         "sdpa_fp16": (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), fp16_bytes),
-        "dequant_sdpa": (lambda: F.scaled_dot_product_attention(q, deq(kq), deq(vq), enable_gqa=True),
+        "dequant_sdpa": (lambda: F.scaled_dot_product_attention(q, dequant("k"), dequant("v"), enable_gqa=True),
                          fused_bytes),
     }
     # the fused kernel must agree with the baseline before its time means anything
-    ref = F.scaled_dot_product_attention(q.float(), deq(kq).float(), deq(vq).float(), enable_gqa=True)
-    got = decode_attention(q, None, None, kq, vq, None, None).transpose(1, 2).float()
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
+    got = decode_attention(q, *layer.decode_args()).transpose(1, 2).float()
     err = (got - ref).abs().max().item()
     if not err < 2e-2:
         raise AssertionError(f"{layout} {scheme_text} T={t} B={b}: fused output is off by {err:.3g}")

@@ -1,8 +1,11 @@
 """Triton kernels for the quantized KV cache; each has a PyTorch `_ref` twin in the same module.
 
-    quantize_pack       quantize + pack new K/V tokens (bit-exact with kvquant.quantize.quantize)
-    decode_attention    flash-decoding over sink | packed body | recent, GQA, bool key masks
+    quantize_pack       quantize + pack new K/V tokens straight into pages (bit-exact with codec.encode)
+    decode_attention    paged flash-decoding over sink | packed body | recent, GQA/MQA, bool key masks
     dispatch            the entry points the cache and attention call (with fallbacks)
+    registry            KernelRegistry: launches variants, remembers the ones that cannot be built
+    compiled            compile for sm_90 without a GPU; registers, spills, smem, SASS loop sizes
+    testing             stand-in paged layers (the LayerView attributes) for tests and benchmarks
 
 Importing this package imports triton; `import kvquant` never imports it (kvquant loads
 `kvquant.kernels.dispatch` lazily, only when a backend selects the kernels). Submodules are not

@@ -1,97 +1,173 @@
-"""Decode attention over a quantized layer as it is stored: `decode_attention` (Triton) and its twin
-`decode_attention_ref` (PyTorch).
+"""Decode attention over a paged quantized layer, read in place: `decode_attention` (Triton) and its twin
+`decode_attention_ref` (PyTorch: gather the pages, decode with the codec, attend in fp32 or query's dtype).
 
-One new query token per sequence attends to the layer's tokens in position order
+Storage (per decoder layer; vLLM's layout, `block_size` BS tokens per page):
 
-    sink (FP, S tokens) | body (packed INT8/INT4/INT2 + scales/zeros, or dense FP; T_b) | recent (FP, R)
+    fp_k, fp_v          (P_fp, H_kv, BS, D) model dtype      sink and recent-window tokens
+    key_pages[name]     (P_b, heads_f, BS // tokens_f, cols_f)   one pool per codec field (kvquant.codec);
+    value_pages[name]   K and V body pages share page ids       affine: codes/scale/zero; dense: values
 
-without materializing dequantized K/V. Flash-decoding: the token axis is cut into splits, each program
-computes an unnormalized partial (running max m, sum l, accumulator acc) for one split of one
-(sequence, KV head), and a reduce kernel merges the splits. Splits 0..n_body-1 read the body, the last
-ones read the FP tokens (sink then recent) so each program has one load path. GQA: one program serves
-all H_q / H_kv query heads of its KV head, so every K/V byte is read once per step.
+A region (`.table` (B, n_pages) int64 page ids in position order, `.offset` slot of its first token in its
+first page, `.length` tokens, equal for all sequences) says where tokens live: token r of a region sits in
+page table[b, (offset + r) // BS], slot (offset + r) % BS; its scale row is slot // token_extent. A layer
+holds three regions in position order: sink (FP pool), body (body pools), recent (FP pool).
 
-Masking (left padding in a batch, or any pattern): key_mask (B, T) bool, True = attend, with positions
-in sink | body | recent order. Each program loads the mask bytes of its token block and ANDs them into
-the block's valid lanes, so K/V bytes of masked tokens are not read and nothing is checked on the host
-(no device->host sync). A sequence with no attended token gets a zero output, as torch SDPA's math path
-gives for an all-False bool mask row (both twins agree).
+One new query token per sequence attends to sink | body | recent without materializing dequantized K/V.
+Flash-decoding: the token axis is cut into splits; each program computes an unnormalized partial (running
+max m, sum l, accumulator acc) for one split of one (sequence, KV head), reading either body pages (codes
+through the block table, scales as per-token vectors or (tokens, groups) tiles broadcast along the group)
+or FP pages (sink then recent, one table lookup per token, two pointers); a reduce kernel merges the
+splits in tiles of 32. GQA: one program serves the H_q / H_kv query heads of its KV head, so every stored
+byte is read once per step.
+
+Masking: key_mask (B, T) bool, True = attend, positions in sink | body | recent order; each program loads
+the mask bytes of its token block, so nothing is checked on the host (no device->host sync). A sequence
+with no attended token gets a zero output, as torch SDPA's math path gives for an all-False bool row.
+
+Compilation: every length, offset, split count and table/mask stride is `do_not_specialize`, so one
+variant per (codecs, head_dim, dtype, GQA group, parts present) serves a whole decode; pool strides stay
+specialised (they are fixed for a pool's life and their alignment buys vector loads). A variant that
+cannot be built on the device (shared memory, registers, ptxas) is refused once by the
+`kvquant.kernels.registry.KernelRegistry` that launched it; `decode_attention` then returns None.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
+from collections.abc import Mapping
 
 import torch
 import triton
 import triton.language as tl
 
-from kvquant.quantize import QTensor, dequantize
-from kvquant.scheme import Granularity
+from .registry import KernelRegistry, default_registry
 
-__all__ = ["decode_attention", "decode_attention_ref"]
+__all__ = ["decode_attention", "decode_attention_ref", "gather_region", "BLOCK_T"]
 
 _LOG2E = 1.4426950408889634
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
+BLOCK_T = 64  # tokens per loop iteration
+SPLIT_BLOCK = 32  # splits merged per reduce iteration (a constant, so the split count never recompiles)
+
+# runtime integers that change during a decode: never part of the compiled variant
+_SPLIT_DNS = ["S", "R", "R_OFF", "T_BODY", "B_OFF", "N_BODY_SPLITS", "NSPLIT", "BODY_CHUNK", "FP_CHUNK",
+              "s_stb", "s_stn", "s_rtb", "s_rtn", "s_btb", "s_btn", "s_mb"]  # s_mt: 1 for every (B, T) mask
+_REDUCE_DNS = ["NSPLIT", "s_ob"]
 
 
 # ----------------------------------------------------------------------------------------------- jit
 
 
 @triton.jit
-def _unpack(packed, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """(BLOCK_T, D * BITS // 8) bytes -> (BLOCK_T, D) int32 codes; byte j holds codes per*j .. per*j+per-1,
-    lowest bits first (kvquant.packing)."""
-    p = packed.to(tl.int32)
+def _codes(p, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
+           OUT: tl.constexpr):
+    """(BLOCK_T, D * BITS // 8) packed bytes -> (BLOCK_T, D) in OUT holding code - BIAS exactly.
+
+    Byte j holds codes per*j .. per*j+per-1, lowest bits first (kvquant.packing). Integer -> float by the
+    exponent trick instead of a (quarter-rate) I2F: OR-ing a code c into the mantissa of 2^m gives the
+    float 2^m + c (fp16: 0x6400 = 1024; fp32: 0x4B000000 = 2^23, for bf16 too), and one
+    subtraction of 2^m + BIAS, exact, leaves c - BIAS (BIAS: a symmetric spec's code offset, else 0)."""
     if BITS == 8:
-        return p
+        c = p.to(tl.uint32)
     elif BITS == 4:
-        return tl.reshape(tl.join(p & 15, p >> 4), (BLOCK_T, D))  # [.., j, i] = code 2j + i
+        w = p.to(tl.uint32)
+        c = tl.reshape(tl.join(w & 15, w >> 4), (BLOCK_T, D))  # [.., j, i] = code 2j + i
     else:
-        # join appends a last axis: join(join(c0, c2), join(c1, c3))[.., j, a, c] = code 4j + 2a + c,
-        # so the flattened order is c0, c1, c2, c3
-        c0, c1, c2, c3 = p & 3, (p >> 2) & 3, (p >> 4) & 3, (p >> 6) & 3
-        return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_T, D))
+        # join appends a last axis: join(join(c0, c2), join(c1, c3))[.., j, a, c] = code 4j + 2a + c
+        w = p.to(tl.uint32)
+        c0, c1, c2, c3 = w & 3, (w >> 2) & 3, (w >> 4) & 3, w >> 6
+        c = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_T, D))
+    if OUT == tl.float16:
+        return (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + BIAS)
+    else:  # bf16 and fp32 go through fp32 (the interpreter cannot bitcast to bf16; one F2FP per pair)
+        return ((c | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)).to(OUT)
+
+
+@triton.jit
+def _dequant(c, s, z, SYM: tl.constexpr, BITS: tl.constexpr):
+    """codes (offset already removed) and broadcastable scale/zero, all in the compute dtype -> values
+    (one FMA or FMUL each). Symmetric: s arrives already divided by qmax (in fp32, once per scale)."""
+    if SYM:
+        return c * s
+    else:
+        return c * s + z
+
+
+@triton.jit
+def _stat(ptr, offs, mask, SYM: tl.constexpr, BITS: tl.constexpr, OUT: tl.constexpr, IS_ZERO: tl.constexpr):
+    """A scale (divided by qmax when symmetric, in fp32) or zero, loaded and cast to the compute dtype."""
+    x = tl.load(ptr + offs, mask=mask, other=0.0)
+    if SYM and not IS_ZERO:
+        QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
+        x = x.to(tl.float32) * (1.0 / QMAX)
+    return x.to(OUT)
 
 
 @triton.jit
 def _load_body(
-    codes_ptr, scale_ptr, zero_ptr,
-    s_cb, s_ch, s_ct, s_cd, s_sb, s_sh, s_st, s_sd,
-    b, h, t, valid, offs_d,
-    D: tl.constexpr, BLOCK_T: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: tl.constexpr,
-    TN: tl.constexpr, DN: tl.constexpr, OUT: tl.constexpr,
+    c_ptr, s_ptr, z_ptr, pg, slot, h, valid,
+    H_KV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
+    SYM: tl.constexpr, TE: tl.constexpr, CE: tl.constexpr, SHARED: tl.constexpr, IDX64: tl.constexpr,
+    OUT: tl.constexpr,
 ):
-    """Body tokens t (BLOCK_T,) of (b, h) -> (BLOCK_T, D) in dtype OUT, dequantized in fp32 as
-    kvquant.quantize.dequantize does. BITS 16: a dense body. The scale/zero of (token t, channel d) sit at
-    row t // TN, column d // DN (token/head: DN = D, one per row; group: DN = N; channel: TN = N, DN = 1)."""
+    """Body tokens at pages pg (BLOCK_T,) int32, slots slot (BLOCK_T,) of KV head h -> (BLOCK_T, D) in OUT.
+
+    Pools are contiguous, so a row's address is ((page * heads + head) * rows_per_page + row) * cols with
+    every factor but page and row known at compile time; 32-bit unless a pool holds 2^31 elements (IDX64).
+    BITS 16: a dense body (`values`). Else packed codes; the scale (and zero) of (token, channel) is at
+    row slot // TE, column channel // CE of the token's page (head 0 when SHARED by all heads); TE == 1
+    and CE == D: one per token (a vector); TE == 1, CE < D: a (BLOCK_T, D // CE) tile broadcast along
+    each group of CE channels; TE > 1 (channel-wise): a row of D per token (TE tokens share it; L1 serves
+    the repeats). Dequantized in OUT: c * s + z with c exact (see _codes)."""
+    offs_d = tl.arange(0, D)
+    row = (pg * H_KV + h) * BS + slot  # (BLOCK_T,) row of the (P * H * BS, cols) pool
+    if IDX64:
+        row = row.to(tl.int64)
     if BITS == 16:
-        ptrs = codes_ptr + b * s_cb + h * s_ch + t[:, None] * s_ct + offs_d[None, :] * s_cd
-        return tl.load(ptrs, mask=valid[:, None], other=0.0).to(OUT)
+        return tl.load(c_ptr + row[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0).to(OUT)
     else:
         PER: tl.constexpr = 8 // BITS
-        offs_byte = tl.arange(0, D // PER)
-        ptrs = codes_ptr + b * s_cb + h * s_ch + t[:, None] * s_ct + offs_byte[None, :] * s_cd
-        codes = _unpack(tl.load(ptrs, mask=valid[:, None], other=0), BLOCK_T, D, BITS).to(tl.float32)
-        s_base = scale_ptr + b * s_sb + h * s_sh
-        z_base = zero_ptr + b * s_sb + h * s_sh
-        if DN == D:  # one scale per (token, head): a vector, broadcast along D
-            s_off = (t // TN) * s_st
-            scale = tl.load(s_base + s_off, mask=valid, other=0.0).to(tl.float32)[:, None]
-            if not SYMMETRIC:
-                zero = tl.load(z_base + s_off, mask=valid, other=0.0).to(tl.float32)[:, None]
+        COLS: tl.constexpr = D // PER
+        offs_b = tl.arange(0, COLS)
+        p = tl.load(c_ptr + row[:, None] * COLS + offs_b[None, :], mask=valid[:, None], other=0)
+        BIAS: tl.constexpr = (1 << (BITS - 1)) if SYM else 0
+        # fp16: dequantize in fp16 (packed HFMA2); bf16 and fp32: in fp32 (the interpreter has no bf16
+        # arithmetic), then one rounding to OUT
+        MATH: tl.constexpr = tl.float16 if OUT == tl.float16 else tl.float32
+        c = _codes(p, BLOCK_T, D, BITS, BIAS, MATH)  # (BLOCK_T, D): code - offset
+        NG: tl.constexpr = D // CE
+        if TE == 1:
+            srow = row if not SHARED else pg * BS + slot
+        elif SHARED:
+            srow = pg * (BS // TE) + slot // TE
         else:
-            s_off = (t // TN)[:, None] * s_st + (offs_d // DN)[None, :] * s_sd
-            scale = tl.load(s_base + s_off, mask=valid[:, None], other=0.0).to(tl.float32)
-            if not SYMMETRIC:
-                zero = tl.load(z_base + s_off, mask=valid[:, None], other=0.0).to(tl.float32)
-        if SYMMETRIC:
-            QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
-            OFFSET: tl.constexpr = 1 << (BITS - 1)
-            x = (codes - OFFSET) * (scale * (1.0 / QMAX))
-        else:
-            x = codes * scale + zero
+            srow = (pg * H_KV + h) * (BS // TE) + slot // TE
+        if IDX64:
+            srow = srow.to(tl.int64)
+        if TE > 1:  # channel-wise: a scale per channel, shared by the TE tokens of a scale row
+            sp = srow[:, None] * D + offs_d[None, :]
+            s = _stat(s_ptr, sp, valid[:, None], SYM, BITS, MATH, False)
+            z = s
+            if not SYM:
+                z = _stat(z_ptr, sp, valid[:, None], SYM, BITS, MATH, True)
+            x = _dequant(c, s, z, SYM, BITS)
+        elif NG == 1:  # one scale per token (and head)
+            s = _stat(s_ptr, srow, valid, SYM, BITS, MATH, False)[:, None]
+            z = s
+            if not SYM:
+                z = _stat(z_ptr, srow, valid, SYM, BITS, MATH, True)[:, None]
+            x = _dequant(c, s, z, SYM, BITS)
+        else:  # NG groups of CE channels: a (BLOCK_T, NG) tile, broadcast along each group
+            offs_g = tl.arange(0, NG)
+            sp = srow[:, None] * NG + offs_g[None, :]
+            s = _stat(s_ptr, sp, valid[:, None], SYM, BITS, MATH, False)[:, :, None]
+            z = s
+            if not SYM:
+                z = _stat(z_ptr, sp, valid[:, None], SYM, BITS, MATH, True)[:, :, None]
+            c3 = tl.reshape(c, (BLOCK_T, NG, CE))
+            x = tl.reshape(_dequant(c3, s, z, SYM, BITS), (BLOCK_T, D))
         return x.to(OUT)
 
 
@@ -116,20 +192,24 @@ def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_FP32: tl.constexpr):
     return m_new, l_i, acc
 
 
-@triton.jit
-def _decode_split_kernel(
-    q_ptr, sq_b, sq_h, sq_d,
-    sink_k_ptr, sink_v_ptr, s_skb, s_skh, s_skt, s_skd, s_svb, s_svh, s_svt, s_svd,
-    rec_k_ptr, rec_v_ptr, s_rkb, s_rkh, s_rkt, s_rkd, s_rvb, s_rvh, s_rvt, s_rvd,
-    kc_ptr, ks_ptr, kz_ptr, s_kcb, s_kch, s_kct, s_kcd, s_ksb, s_ksh, s_kst, s_ksd,
-    vc_ptr, vs_ptr, vz_ptr, s_vcb, s_vch, s_vct, s_vcd, s_vsb, s_vsh, s_vst, s_vsd,
+@triton.jit(do_not_specialize=_SPLIT_DNS)
+def _paged_split_kernel(
+    q_ptr, s_qb, s_qh,  # query (B, H_q, D), last stride 1
+    fpk_ptr, fpv_ptr,  # FP pools (P_fp, H_kv, BS, D), contiguous
+    stab_ptr, s_stb, s_stn, S,  # sink region: table (B, n) int64, length (offset 0)
+    rtab_ptr, s_rtb, s_rtn, R, R_OFF,  # recent region: table, length, offset
+    btab_ptr, s_btb, s_btn, T_BODY, B_OFF,  # body region: table, length, offset
+    kc_ptr, ks_ptr, kz_ptr,  # K body pools: codes (or values), scale, zero; contiguous
+    vc_ptr, vs_ptr, vz_ptr,  # V body pools
     mask_ptr, s_mb, s_mt,  # key_mask (B, T) as uint8; s_mb = 0 for a broadcast (1, T) mask
-    m_ptr, l_ptr, acc_ptr,  # partials (B * H_kv, NSPLIT, G_PAD[, D]), contiguous fp32
-    H_KV, S, T_BODY, R, N_BODY_SPLITS, NSPLIT, BODY_CHUNK, FP_CHUNK, qk_scale,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-    K_BITS: tl.constexpr, K_SYM: tl.constexpr, K_TN: tl.constexpr, K_DN: tl.constexpr,
-    V_BITS: tl.constexpr, V_SYM: tl.constexpr, V_TN: tl.constexpr, V_DN: tl.constexpr,
-    HAS_MASK: tl.constexpr, DOT_FP32: tl.constexpr,
+    m_ptr, l_ptr, acc_ptr,  # partials (B * H_kv, NSPLIT, G[, D]), contiguous fp32
+    N_BODY_SPLITS, NSPLIT, BODY_CHUNK, FP_CHUNK, qk_scale,
+    H_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
+    BS: tl.constexpr, IDX64: tl.constexpr,
+    K_BITS: tl.constexpr, K_SYM: tl.constexpr, K_TE: tl.constexpr, K_CE: tl.constexpr, K_SHARED: tl.constexpr,
+    V_BITS: tl.constexpr, V_SYM: tl.constexpr, V_TE: tl.constexpr, V_CE: tl.constexpr, V_SHARED: tl.constexpr,
+    HAS_MASK: tl.constexpr, HAS_BODY: tl.constexpr, HAS_FP: tl.constexpr, DOT_FP32: tl.constexpr,
+    BODY_STAGES: tl.constexpr, FP_STAGES: tl.constexpr,
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -139,7 +219,7 @@ def _decode_split_kernel(
     offs_g = tl.arange(0, G_PAD)
     offs_d = tl.arange(0, D)
     offs_t = tl.arange(0, BLOCK_T)
-    q_ptrs = q_ptr + b64 * sq_b + (h * G + offs_g)[:, None] * sq_h + offs_d[None, :] * sq_d
+    q_ptrs = q_ptr + b64 * s_qb + (h * G + offs_g)[:, None] * s_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=offs_g[:, None] < G, other=0.0)  # (G_PAD, D): the query heads of KV head h
     mask_row = mask_ptr + b64 * s_mb
     cdt = q.dtype
@@ -148,77 +228,94 @@ def _decode_split_kernel(
     l_i = tl.zeros((G_PAD,), tl.float32)
     acc = tl.zeros((G_PAD, D), tl.float32)
     if split < N_BODY_SPLITS:
-        # body tokens [lo, hi); body token i is position S + i
-        lo = split * BODY_CHUNK
-        hi = tl.minimum(lo + BODY_CHUNK, T_BODY)
-        for t0 in tl.range(lo, hi, BLOCK_T):
-            t = t0 + offs_t
-            valid = t < hi
-            if HAS_MASK:
-                valid = valid & (tl.load(mask_row + (S + t) * s_mt, mask=valid, other=0) != 0)
-            k = _load_body(kc_ptr, ks_ptr, kz_ptr, s_kcb, s_kch, s_kct, s_kcd, s_ksb, s_ksh, s_kst, s_ksd,
-                           b64, h, t, valid, offs_d, D, BLOCK_T, K_BITS, K_SYM, K_TN, K_DN, cdt)
-            v = _load_body(vc_ptr, vs_ptr, vz_ptr, s_vcb, s_vch, s_vct, s_vcd, s_vsb, s_vsh, s_vst, s_vsd,
-                           b64, h, t, valid, offs_d, D, BLOCK_T, V_BITS, V_SYM, V_TN, V_DN, cdt)
-            m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_FP32)
+        if HAS_BODY:
+            # body tokens [lo, hi) of the region; body token r is position S + r
+            lo = split * BODY_CHUNK
+            hi = tl.minimum(lo + BODY_CHUNK, T_BODY)
+            tab_row = btab_ptr + b64 * s_btb
+            for t0 in tl.range(lo, hi, BLOCK_T, num_stages=BODY_STAGES):
+                r = t0 + offs_t
+                valid = r < hi
+                if HAS_MASK:
+                    valid = valid & (tl.load(mask_row + (S + r) * s_mt, mask=valid, other=0) != 0)
+                j = (B_OFF + r).to(tl.uint32)  # unsigned: // and % by a power of two are shifts and masks
+                pg = tl.load(tab_row + (j // BS) * s_btn, mask=valid, other=0).to(tl.int32)  # page ids
+                slot = (j % BS).to(tl.int32)
+                k = _load_body(kc_ptr, ks_ptr, kz_ptr, pg, slot, h, valid, H_KV, D, BLOCK_T, BS,
+                               K_BITS, K_SYM, K_TE, K_CE, K_SHARED, IDX64, cdt)
+                v = _load_body(vc_ptr, vs_ptr, vz_ptr, pg, slot, h, valid, H_KV, D, BLOCK_T, BS,
+                               V_BITS, V_SYM, V_TE, V_CE, V_SHARED, IDX64, cdt)
+                m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_FP32)
     else:
-        # FP tokens u in [0, S + R): u < S is sink[u] (position u), else recent[u - S] (position u + T_BODY)
-        f = split - N_BODY_SPLITS
-        lo = f * FP_CHUNK
-        hi = tl.minimum(lo + FP_CHUNK, S + R)
-        for u0 in tl.range(lo, hi, BLOCK_T):
-            u = u0 + offs_t
-            in_sink = u < S
-            pos = tl.where(in_sink, u, u + T_BODY)
-            valid = u < hi
-            if HAS_MASK:
-                valid = valid & (tl.load(mask_row + pos * s_mt, mask=valid, other=0) != 0)
-            r = tl.where(in_sink, 0, u - S)
-            su = tl.where(in_sink, u, 0)
-            ks = sink_k_ptr + b64 * s_skb + h * s_skh + su[:, None] * s_skt + offs_d[None, :] * s_skd
-            kr = rec_k_ptr + b64 * s_rkb + h * s_rkh + r[:, None] * s_rkt + offs_d[None, :] * s_rkd
-            vs = sink_v_ptr + b64 * s_svb + h * s_svh + su[:, None] * s_svt + offs_d[None, :] * s_svd
-            vr = rec_v_ptr + b64 * s_rvb + h * s_rvh + r[:, None] * s_rvt + offs_d[None, :] * s_rvd
-            k_sink = tl.load(ks, mask=valid[:, None] & in_sink[:, None], other=0.0).to(cdt)
-            k_rec = tl.load(kr, mask=valid[:, None] & ~in_sink[:, None], other=0.0).to(cdt)
-            v_sink = tl.load(vs, mask=valid[:, None] & in_sink[:, None], other=0.0).to(cdt)
-            v_rec = tl.load(vr, mask=valid[:, None] & ~in_sink[:, None], other=0.0).to(cdt)
-            k = tl.where(in_sink[:, None], k_sink, k_rec)
-            v = tl.where(in_sink[:, None], v_sink, v_rec)
-            m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_FP32)
-
-    part = bh.to(tl.int64) * NSPLIT + split
-    tl.store(m_ptr + part * G_PAD + offs_g, m_i)
-    tl.store(l_ptr + part * G_PAD + offs_g, l_i)
-    tl.store(acc_ptr + (part * G_PAD + offs_g)[:, None] * D + offs_d[None, :], acc)
+        if HAS_FP:
+            # FP tokens u in [0, S + R): u < S is sink token u (position u), else recent token u - S
+            # (position u + T_BODY); both regions live in the one FP pool, so K and V are one pointer each
+            f = split - N_BODY_SPLITS
+            lo = f * FP_CHUNK
+            hi = tl.minimum(lo + FP_CHUNK, S + R)
+            stab_row = stab_ptr + b64 * s_stb
+            rtab_row = rtab_ptr + b64 * s_rtb
+            for u0 in tl.range(lo, hi, BLOCK_T, num_stages=FP_STAGES):
+                u = u0 + offs_t
+                valid = u < hi
+                in_sink = u < S
+                if HAS_MASK:
+                    pos = tl.where(in_sink, u, u + T_BODY)
+                    valid = valid & (tl.load(mask_row + pos * s_mt, mask=valid, other=0) != 0)
+                j = tl.where(in_sink, u, R_OFF + u - S).to(tl.uint32)
+                pidx = j // BS
+                tab = tl.where(in_sink, stab_row + pidx * s_stn, rtab_row + pidx * s_rtn)
+                pg = tl.load(tab, mask=valid, other=0).to(tl.int32)
+                row = (pg * H_KV + h) * BS + (j % BS).to(tl.int32)
+                if IDX64:
+                    row = row.to(tl.int64)
+                fp_off = row[:, None] * D + offs_d[None, :]
+                k = tl.load(fpk_ptr + fp_off, mask=valid[:, None], other=0.0).to(cdt)
+                v = tl.load(fpv_ptr + fp_off, mask=valid[:, None], other=0.0).to(cdt)
+                m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_FP32)
 
 
-@triton.jit
-def _decode_reduce_kernel(
-    m_ptr, l_ptr, acc_ptr, out_ptr, so_b, so_h, so_d,
+    part = (bh.to(tl.int64) * NSPLIT + split) * G
+    real = offs_g < G  # only the G real query heads are stored
+    tl.store(m_ptr + part + offs_g, m_i, mask=real)
+    tl.store(l_ptr + part + offs_g, l_i, mask=real)
+    tl.store(acc_ptr + (part + offs_g)[:, None] * D + offs_d[None, :], acc, mask=real[:, None])
+
+
+@triton.jit(do_not_specialize=_REDUCE_DNS)
+def _reduce_kernel(
+    m_ptr, l_ptr, acc_ptr, out_ptr, s_ob, s_oh,
     H_KV, NSPLIT,
-    G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, SPLIT_PAD: tl.constexpr,
+    G: tl.constexpr, D: tl.constexpr, SPLIT_BLOCK: tl.constexpr,
 ):
-    """Merge the splits of one query head: out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
+    """Merge the splits of one query head, SPLIT_BLOCK at a time as one tile:
+    out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s."""
     bh = tl.program_id(0)
     g = tl.program_id(1)
     b = bh // H_KV
     h = bh % H_KV
-    offs_s = tl.arange(0, SPLIT_PAD)
+    offs_s = tl.arange(0, SPLIT_BLOCK)
     offs_d = tl.arange(0, D)
-    rows = (bh.to(tl.int64) * NSPLIT + offs_s) * G_PAD + g
-    m = tl.load(m_ptr + rows, mask=offs_s < NSPLIT, other=float("-inf"))
-    m_max = tl.max(m, axis=0)
-    m_max = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.exp2(m - m_max)  # (SPLIT_PAD,); 0 for empty splits
-    denom = tl.sum(w * tl.load(l_ptr + rows, mask=offs_s < NSPLIT, other=0.0), axis=0)
+    base = bh.to(tl.int64) * NSPLIT * G + g
+    m_run = tl.full((1,), float("-inf"), tl.float32)
+    l_run = tl.zeros((1,), tl.float32)
     acc = tl.zeros((D,), tl.float32)
-    for s in tl.range(0, NSPLIT):
-        row = (bh.to(tl.int64) * NSPLIT + s) * G_PAD + g
-        w_s = tl.exp2(tl.load(m_ptr + row) - m_max)
-        acc += w_s * tl.load(acc_ptr + row * D + offs_d)
-    out = acc / tl.where(denom > 0, denom, 1.0)  # no valid token at all -> zeros, not NaN
-    o_ptrs = out_ptr + b.to(tl.int64) * so_b + (h * G + g) * so_h + offs_d * so_d
+    for s0 in tl.range(0, NSPLIT, SPLIT_BLOCK):
+        s = s0 + offs_s
+        ok = s < NSPLIT
+        rows = base + s * G
+        m = tl.load(m_ptr + rows, mask=ok, other=float("-inf"))
+        l_s = tl.load(l_ptr + rows, mask=ok, other=0.0)
+        a = tl.load(acc_ptr + rows[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(m, axis=0))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        w = tl.exp2(m - m_safe)  # (SPLIT_BLOCK,); 0 for empty splits
+        alpha = tl.exp2(m_run - m_safe)
+        l_run = l_run * alpha + tl.sum(w * l_s, axis=0)
+        acc = acc * alpha + tl.sum(w[:, None] * a, axis=0)
+        m_run = m_new
+    out = acc / tl.where(l_run > 0, l_run, 1.0)  # no valid token at all -> zeros, not NaN
+    o_ptrs = out_ptr + b.to(tl.int64) * s_ob + (h * G + g) * s_oh + offs_d
     tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty))
 
 
@@ -229,46 +326,71 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def _body_args(body, h_kv: int, d: int, like: torch.Tensor):
-    """(codes, scale, zero, 8 strides, BITS, SYM, TN, DN) for a body part; dummies when there is none."""
-    if body is None:
-        return (like, like, like, 0, 0, 0, 0, 0, 0, 0, 0, 16, False, 1, d)
-    if isinstance(body, torch.Tensor):
-        return (body, body, body, *body.stride(), 0, 0, 0, 0, 16, False, 1, d)
-    spec = body.spec
-    if body.codes.dtype != torch.uint8:
-        raise TypeError(f"decode_attention: packed codes must be uint8, got {body.codes.dtype}")
-    scale, zero = body.scale, body.zero if body.zero is not None else body.scale
-    if zero.stride() != scale.stride():  # one set of strides serves both
-        scale, zero = scale.contiguous(), zero.contiguous()
-    ss = list(scale.stride())
-    if body.scale.shape[1] == 1:  # token granularity: one scale for every head
-        ss[1] = 0
-    tn, dn = 1, d
-    if spec.granularity is Granularity.GROUP:
-        dn = spec.group_size
-    elif spec.granularity is Granularity.CHANNEL:
-        tn, dn = spec.group_size, 1
-    return (body.codes, scale, zero, *body.codes.stride(), *ss, spec.bits, spec.symmetric, tn, dn)
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _fp_args(k: torch.Tensor | None, v: torch.Tensor | None, like: torch.Tensor):
-    """(k, v, 4 K strides, 4 V strides) for an FP part; a dummy pointer when absent (it is never read)."""
-    if k is None:
-        return (like, like) + (0,) * 8
-    return (k, v, *k.stride(), *v.stride())
-
-
-def _num_splits(bh: int, t_body: int, block_t: int, device: torch.device) -> int:
+def _num_splits(bh: int, t_body: int, device: torch.device) -> int:
     """Enough body splits to give every SM about two programs, none shorter than 4 blocks."""
     if t_body == 0:
         return 0
     if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
-    else:
+        target = 2 * _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    elif _interpreting():
         target = 2  # the interpreter runs programs one after another
+    else:
+        target = 2 * 132  # compile-only (kvquant.kernels.compiled): an H200
     want = triton.cdiv(target, bh)
-    return max(1, min(want, triton.cdiv(t_body, 4 * block_t)))
+    return max(1, min(want, triton.cdiv(t_body, 4 * BLOCK_T)))
+
+
+def _length(region) -> int:
+    return 0 if region is None else int(region.length)
+
+
+def _table_args(region, bsz: int, like: torch.Tensor):
+    """(table, stride_b, stride_n) of a region; a dummy pointer (never read) when it holds no token."""
+    if _length(region) == 0:
+        return like, 0, 0
+    t = region.table
+    if t.dtype != torch.int64 or t.dim() != 2 or t.shape[0] not in (1, bsz):
+        raise ValueError(f"decode_attention: a block table must be int64 (B={bsz}, n_pages), "
+                         f"got {t.dtype} {tuple(t.shape)}")
+    if t.device != like.device:
+        raise ValueError(f"decode_attention: a block table is on {t.device}, another on {like.device}")
+    return t, (t.stride(0) if t.shape[0] == bsz else 0), t.stride(1)
+
+
+def _body_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: int, bs: int, like):
+    """(codes, scale, zero) pools and (BITS, SYM, TE, CE, SHARED) of one body; dummies when absent."""
+    if codec is None:
+        return (like, like, like), (16, False, 1, d, False)
+    lay = codec.kernel_layout()
+    if lay.bits == 16:
+        vals = pages["values"]
+        _check_pool("values", vals, (h_kv, bs, d), like)
+        return (vals, vals, vals), (16, False, 1, d, False)
+    codes, scale = pages["codes"], pages["scale"]
+    zero = pages.get("zero", scale) if not lay.symmetric else scale
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"decode_attention: packed codes must be uint8, got {codes.dtype}")
+    _check_pool("codes", codes, (h_kv, bs, d * lay.bits // 8), like)
+    shared = lay.shared_heads or h_kv == 1 or scale.shape[1] == 1
+    for name, t in (("scale", scale), ("zero", zero)):
+        _check_pool(name, t, (1 if shared else h_kv, bs // lay.token_extent, d // lay.channel_extent), like)
+    return (codes, scale, zero), (lay.bits, lay.symmetric, lay.token_extent, lay.channel_extent, shared)
+
+
+def _check_pool(name: str, t: torch.Tensor, tail: tuple[int, ...], like: torch.Tensor) -> None:
+    if t.dim() != 4 or tuple(t.shape[1:]) != tail:
+        raise ValueError(f"decode_attention: the {name} pool must be (P, {', '.join(map(str, tail))}), "
+                         f"got {tuple(t.shape)}")
+    if not t.is_contiguous():
+        raise ValueError(f"decode_attention: the {name} pool must be contiguous (the kernel derives its "
+                         "strides from the page geometry)")
+    if t.device != like.device:
+        raise ValueError(f"decode_attention: the {name} pool is on {t.device}, query on {like.device}")
 
 
 def _mask_arg(key_mask: torch.Tensor | None, bsz: int, total: int, like: torch.Tensor):
@@ -286,8 +408,8 @@ def _mask_arg(key_mask: torch.Tensor | None, bsz: int, total: int, like: torch.T
     return m, m.stride(0), m.stride(1), True
 
 
-def _launch(query, sink_k, sink_v, key_body, value_body, recent_k, recent_v, scaling, key_mask,
-            num_splits, block_t, num_warps):
+def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, sink, body, recent,
+            scaling, key_mask, num_splits, num_warps, body_stages, fp_stages, registry):
     if query.dim() != 4 or query.shape[2] != 1:
         raise ValueError(f"decode_attention: query must be (B, H_q, 1, D), got {tuple(query.shape)}")
     if query.dtype not in _FLOAT:
@@ -295,93 +417,90 @@ def _launch(query, sink_k, sink_v, key_body, value_body, recent_k, recent_v, sca
     bsz, h_q, _, d = query.shape
     if d < 16 or d & (d - 1):
         raise ValueError(f"decode_attention: head_dim must be a power of two >= 16, got {d}")
-    parts = {"sink_k": sink_k, "sink_v": sink_v, "recent_k": recent_k, "recent_v": recent_v}
-    shapes = {}
-    for name, t in parts.items():
-        if t is None or t.shape[2] == 0:
-            parts[name] = None
-            continue
-        if t.dim() != 4 or t.shape[0] != bsz or t.shape[3] != d or t.dtype not in _FLOAT:
-            raise ValueError(f"decode_attention: {name} must be float (B={bsz}, H_kv, n, D={d}), "
-                             f"got {tuple(t.shape)} {t.dtype}")
-        if t.device != query.device:
-            raise ValueError(f"decode_attention: {name} is on {t.device}, query on {query.device}")
-        shapes[name] = t.shape
-    bodies = {"key_body": key_body, "value_body": value_body}
-    for name, body in bodies.items():
-        if body is None:
-            continue
-        shape = body.shape
-        if len(shape) != 4 or shape[0] != bsz or shape[3] != d:
-            raise ValueError(f"decode_attention: {name} must be (B={bsz}, H_kv, T, D={d}), "
-                             f"got {tuple(shape)}")
-        shapes[name] = shape
-    if not shapes:
+    s_len, t_body, r_len = _length(sink), _length(body), _length(recent)
+    total = s_len + t_body + r_len
+    if total == 0:
         raise ValueError("decode_attention: the layer holds no tokens")
-    h_kv = next(iter(shapes.values()))[1]
+    has_fp = s_len + r_len > 0
+    ref_pool = fp_k if has_fp else next(iter(key_pages.values()))
+    h_kv, bs = ref_pool.shape[1], ref_pool.shape[2]
     if h_q % h_kv:
         raise ValueError(f"decode_attention: H_q={h_q} is not a multiple of H_kv={h_kv}")
-    for name, shape in shapes.items():
-        if shape[1] != h_kv:
-            raise ValueError(f"decode_attention: {name} has {shape[1]} KV heads, expected {h_kv}")
-    if (parts["sink_k"] is None) != (parts["sink_v"] is None) or (
-        (parts["recent_k"] is None) != (parts["recent_v"] is None)
-    ):
-        raise ValueError("decode_attention: K and V parts must be present together")
-    s_len = 0 if parts["sink_k"] is None else parts["sink_k"].shape[2]
-    r_len = 0 if parts["recent_k"] is None else parts["recent_k"].shape[2]
-    t_body = 0
-    if key_body is not None or value_body is not None:
-        if key_body is None or value_body is None or key_body.shape[2] != value_body.shape[2]:
-            raise ValueError("decode_attention: key_body and value_body must hold the same tokens")
-        t_body = key_body.shape[2]
-    total = s_len + t_body + r_len
+    if has_fp:
+        for name, pool in (("fp_k", fp_k), ("fp_v", fp_v)):
+            _check_pool(name, pool, (h_kv, bs, d), query)
+            if pool.dtype not in _FLOAT:
+                raise TypeError(f"decode_attention: {name} must be float, got {pool.dtype}")
+    if t_body:
+        for codec in (key_codec, value_codec):
+            te = codec.kernel_layout().token_extent
+            if bs % te or int(body.offset) % te:
+                raise ValueError(f"decode_attention: block_size {bs} and the body offset must be multiples "
+                                 f"of the token group {te}")
+    kb, (k_bits, k_sym, k_te, k_ce, k_sh) = _body_args(key_codec if t_body else None, key_pages, h_kv, d, bs, query)
+    vb, (v_bits, v_sym, v_te, v_ce, v_sh) = _body_args(value_codec if t_body else None, value_pages, h_kv, d, bs,
+                                                 query)
 
     g = h_q // h_kv
     g_pad = max(16, triton.next_power_of_2(g))  # tl.dot needs M >= 16
     bh = bsz * h_kv
-    n_body = _num_splits(bh, t_body, block_t, query.device) if num_splits is None else min(num_splits, t_body)
-    n_body = n_body if t_body else 0
-    body_chunk = triton.cdiv(triton.cdiv(t_body, n_body), block_t) * block_t if n_body else block_t
-    n_body = triton.cdiv(t_body, body_chunk) if n_body else 0
-    fp_chunk = 4 * block_t
+    n_body = 0
+    body_chunk = BLOCK_T
+    if t_body:
+        n_body = _num_splits(bh, t_body, query.device) if num_splits is None else max(1, min(num_splits,
+                                                                                              t_body))
+        body_chunk = triton.cdiv(triton.cdiv(t_body, n_body), BLOCK_T) * BLOCK_T
+        n_body = triton.cdiv(t_body, body_chunk)
+    fp_chunk = 4 * BLOCK_T
     n_fp = triton.cdiv(s_len + r_len, fp_chunk)
     nsplit = n_body + n_fp
 
     mask, s_mb, s_mt, has_mask = _mask_arg(key_mask, bsz, total, query)
-
     scale = (1.0 / math.sqrt(d)) if scaling is None else float(scaling)
     dot_fp32 = query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and _interpreting())
-    m = torch.empty((bh, max(nsplit, 1), g_pad), dtype=torch.float32, device=query.device)
+    m = torch.empty((bh, nsplit, g), dtype=torch.float32, device=query.device)
     l_ = torch.empty_like(m)
-    acc = torch.empty((bh, max(nsplit, 1), g_pad, d), dtype=torch.float32, device=query.device)
+    acc = torch.empty((bh, nsplit, g, d), dtype=torch.float32, device=query.device)
     out = torch.empty((bsz, 1, h_q, d), dtype=query.dtype, device=query.device)
-    if nsplit == 0:
-        return out.zero_()
 
     q3 = query[:, :, 0, :]  # (B, H_q, D)
-    kb = _body_args(key_body, h_kv, d, query)
-    vb = _body_args(value_body, h_kv, d, query)
-    kb_t, vb_t = kb[:11], vb[:11]
-    _decode_split_kernel[(nsplit, bh)](
-        q3, *q3.stride(),
-        *_fp_args(parts["sink_k"], parts["sink_v"], query),
-        *_fp_args(parts["recent_k"], parts["recent_v"], query),
-        *kb_t, *vb_t,
+    if q3.stride(-1) != 1:
+        q3 = q3.contiguous()
+    # an absent region's table pointer is never read, but must be an int64 pointer like the others
+    some_table = next(x.table for x in (sink, body, recent) if _length(x))
+    st, rt, btab = (_table_args(x, bsz, some_table) for x in (sink, recent, body))
+    fpk, fpv = (fp_k, fp_v) if has_fp else (query, query)
+    idx64 = max(t.numel() for t in (fpk, fpv, *kb, *vb)) >= 2**31
+    consts = dict(
+        H_KV=h_kv, G=g, G_PAD=g_pad, D=d, BLOCK_T=BLOCK_T, BS=bs, IDX64=idx64,
+        K_BITS=k_bits, K_SYM=k_sym, K_TE=k_te, K_CE=k_ce, K_SHARED=k_sh,
+        V_BITS=v_bits, V_SYM=v_sym, V_TE=v_te, V_CE=v_ce, V_SHARED=v_sh,
+        HAS_MASK=has_mask, HAS_BODY=t_body > 0, HAS_FP=has_fp, DOT_FP32=dot_fp32,
+        BODY_STAGES=body_stages or 0, FP_STAGES=fp_stages,
+    )
+    num_warps = num_warps or (4 if d <= 128 else 8)  # D=256 on 4 warps spills (255 registers)
+    consts["BODY_STAGES"] = body_stages or (2 if d <= 128 else 1)  # D=256, 2 stages: 116 KB of smem
+    variant = (query.dtype, *(fpk.dtype, kb[0].dtype, kb[1].dtype, vb[0].dtype, vb[1].dtype),
+               num_warps, *sorted(consts.items()))
+    args = (
+        q3, *q3.stride()[:2],
+        fpk, fpv,
+        st[0], st[1], st[2], s_len,
+        rt[0], rt[1], rt[2], r_len, int(recent.offset) if r_len else 0,
+        btab[0], btab[1], btab[2], t_body, int(body.offset) if t_body else 0,
+        *kb, *vb,
         mask, s_mb, s_mt,
         m, l_, acc,
-        h_kv, s_len, t_body, r_len, n_body, nsplit, body_chunk, fp_chunk, scale * _LOG2E,
-        G=g, G_PAD=g_pad, D=d, BLOCK_T=block_t,
-        K_BITS=kb[11], K_SYM=kb[12], K_TN=kb[13], K_DN=kb[14],
-        V_BITS=vb[11], V_SYM=vb[12], V_TN=vb[13], V_DN=vb[14],
-        HAS_MASK=has_mask, DOT_FP32=dot_fp32,
-        num_warps=num_warps,
+        n_body, nsplit, body_chunk, fp_chunk, scale * _LOG2E,
     )
+    registry = registry or default_registry()
+    if not registry.launch(_paged_split_kernel, (nsplit, bh), args, dict(consts, num_warps=num_warps),
+                           variant):
+        return None
     o3 = out[:, 0]  # (B, H_q, D)
-    _decode_reduce_kernel[(bh, g)](
-        m, l_, acc, o3, *o3.stride(), h_kv, nsplit,
-        G=g, G_PAD=g_pad, D=d, SPLIT_PAD=triton.next_power_of_2(nsplit),
-    )
+    if not registry.launch(_reduce_kernel, (bh, g), (m, l_, acc, o3, *o3.stride()[:2], h_kv, nsplit),
+                           dict(G=g, D=d, SPLIT_BLOCK=SPLIT_BLOCK), (query.dtype, g, d)):
+        return None
     return out
 
 
@@ -390,68 +509,107 @@ def _launch(query, sink_k, sink_v, key_body, value_body, recent_k, recent_v, sca
 
 def decode_attention(
     query: torch.Tensor,
-    sink_k: torch.Tensor | None,
-    sink_v: torch.Tensor | None,
-    key_body: QTensor | torch.Tensor | None,
-    value_body: QTensor | torch.Tensor | None,
-    recent_k: torch.Tensor | None,
-    recent_v: torch.Tensor | None,
+    fp_k: torch.Tensor | None,
+    fp_v: torch.Tensor | None,
+    key_pages: Mapping[str, torch.Tensor],
+    value_pages: Mapping[str, torch.Tensor],
+    key_codec,
+    value_codec,
+    sink,
+    body,
+    recent,
     scaling: float | None = None,
     key_mask: torch.Tensor | None = None,
     *,
     num_splits: int | None = None,
-    block_t: int = 64,
-    num_warps: int = 4,
-) -> torch.Tensor:
-    """Attention of one query token per sequence over sink | body | recent, read as stored.
+    num_warps: int | None = None,
+    body_stages: int | None = None,
+    fp_stages: int = 1,
+    registry: KernelRegistry | None = None,
+) -> torch.Tensor | None:
+    """Attention of one query token per sequence over the paged sink | body | recent of one layer.
 
-    query: (B, H_q, 1, D), fp16/bf16/fp32, D a power of two >= 16 (64, 128, 256 in practice).
-    sink_k/v, recent_k/v: (B, H_kv, S or R, D) float, or None. H_q is a multiple of H_kv (GQA).
-    key_body/value_body: QTensor of (B, H_kv, T_b, D) (any bits and granularity), a dense float
-        (B, H_kv, T_b, D) tensor (fp16 spec), or None; both present or both absent, same T_b.
+    query: (B, H_q, 1, D), fp16/bf16/fp32, D a power of two >= 16 (64, 128, 256 in practice); H_q a
+        multiple of H_kv (GQA; H_kv = 1 is MQA).
+    fp_k, fp_v: FP pools (P_fp, H_kv, BS, D), float; may be None when sink and recent hold no token.
+    key_pages / value_pages: the body pools by codec field name, (P_b, heads_f, BS // tokens_f, cols_f)
+        (kvquant.codec); key_codec / value_codec: their codecs (kernel_layout() must not be None).
+    sink, body, recent: regions (`.table` (B or 1, n) int64, `.offset`, `.length`) or None; sink and
+        recent index the FP pools, body the body pools. The body offset and BS are multiples of each
+        codec's token group.
     scaling: softmax scale; None = 1/sqrt(D).
-    key_mask: (B, T) or (1, T) bool, T = S + T_b + R, True = attend, positions in sink | body | recent
-        order; any pattern (left padding, holes); any strides (an expanded view is read in place);
-        None = every token. num_splits: body splits per (sequence, KV head); None = fill the GPU.
-    Returns (B, 1, H_q, D) in query's dtype (the layout transformers' attention functions return).
+    key_mask: (B, T) or (1, T) bool, T = S + T_body + R, True = attend, positions in sink | body | recent
+        order; any pattern; any strides. num_splits: body splits per (sequence, KV head); None = fill
+        the GPU. num_warps: None = 4 up to D=128, 8 at D=256; body_stages: None = 2 up to D=128, 1 at
+        D=256 (shared memory). registry: where a variant that cannot be
+        built is remembered (default: a shared one).
+    Returns (B, 1, H_q, D) in query's dtype, or None when this variant cannot be built on the device
+    (logged once per variant): the caller then takes the reference path.
     A sequence whose mask row is all False gets zeros (torch SDPA's math path does the same), not NaN.
-    K/V are dequantized in fp32, rounded to query's dtype, and multiplied with fp32 accumulation.
     """
-    return _launch(query, sink_k, sink_v, key_body, value_body, recent_k, recent_v, scaling, key_mask,
-                   num_splits, block_t, num_warps)
+    return _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, sink, body, recent,
+                   scaling, key_mask, num_splits, num_warps, body_stages, fp_stages, registry)
 
 
-def _dense(part, dtype: torch.dtype) -> torch.Tensor | None:
-    if part is None:
-        return None
-    return dequantize(part, dtype) if isinstance(part, QTensor) else part.to(dtype)
+def gather_region(pool: torch.Tensor, region, tokens: int = 1) -> torch.Tensor:
+    """The rows of a region from a pool (P, heads_f, BS // tokens, cols) -> (B, heads_f, n, cols).
+
+    tokens: tokens per row of this field (a codec field's `tokens`); the region's offset and length
+    are multiples of it. A copy (advanced indexing), for the reference path and tests."""
+    bs = pool.shape[2] * tokens
+    n = region.length // tokens
+    j = int(region.offset) + torch.arange(n, device=pool.device) * tokens  # first token of each row
+    table = region.table.to(pool.device)
+    pages = table[:, j // bs]  # (B, n)
+    rows = (j % bs) // tokens  # (n,)
+    return pool[pages, :, rows.expand_as(pages)].transpose(1, 2)  # (B, n, heads_f, cols) -> (B, heads_f, n, cols)
+
+
+def _gather_fields(pages: Mapping[str, torch.Tensor], codec, region) -> dict[str, torch.Tensor]:
+    fields = codec.fields()
+    return {name: gather_region(pool, region, fields[name].tokens) for name, pool in pages.items()
+            if name in fields}
 
 
 def decode_attention_ref(
     query: torch.Tensor,
-    sink_k: torch.Tensor | None,
-    sink_v: torch.Tensor | None,
-    key_body: QTensor | torch.Tensor | None,
-    value_body: QTensor | torch.Tensor | None,
-    recent_k: torch.Tensor | None,
-    recent_v: torch.Tensor | None,
+    fp_k: torch.Tensor | None,
+    fp_v: torch.Tensor | None,
+    key_pages: Mapping[str, torch.Tensor],
+    value_pages: Mapping[str, torch.Tensor],
+    key_codec,
+    value_codec,
+    sink,
+    body,
+    recent,
     scaling: float | None = None,
     key_mask: torch.Tensor | None = None,
     *,
     upcast: bool = False,
     **unused,
 ) -> torch.Tensor:
-    """The reference twin of `decode_attention` (same arguments and shapes): dequantize, then plain attention.
+    """The reference twin of `decode_attention` (same arguments and shapes): gather the pages, decode
+    the body with its codec, then plain attention.
 
-    upcast=False computes in query's dtype, with K/V dequantized to it (what the PyTorch path does);
-    upcast=True computes everything in fp32 from K/V dequantized straight to fp32 (the accuracy yardstick).
+    upcast=False computes in query's dtype, with K/V decoded to it (what the PyTorch path does);
+    upcast=True computes everything in fp32 from K/V decoded straight to fp32 (the accuracy yardstick).
     A sequence with an all-False key_mask row gets zeros, as from the kernel.
     """
     dtype = torch.float32 if upcast else query.dtype
-    keys = [_dense(p, dtype) for p in (sink_k, key_body, recent_k) if p is not None]
-    vals = [_dense(p, dtype) for p in (sink_v, value_body, recent_v) if p is not None]
-    k, v = torch.cat(keys, dim=2), torch.cat(vals, dim=2)  # (B, H_kv, T, D)
     bsz, h_q, _, d = query.shape
+    keys, vals = [], []
+    for part in ("sink", "body", "recent"):
+        region = {"sink": sink, "body": body, "recent": recent}[part]
+        if _length(region) == 0:
+            continue
+        if part == "body":
+            k = key_codec.decode(_gather_fields(key_pages, key_codec, region), dtype)
+            v = value_codec.decode(_gather_fields(value_pages, value_codec, region), dtype)
+        else:
+            k, v = gather_region(fp_k, region).to(dtype), gather_region(fp_v, region).to(dtype)
+        keys.append(k.expand(bsz, -1, -1, -1))
+        vals.append(v.expand(bsz, -1, -1, -1))
+    k, v = torch.cat(keys, dim=2), torch.cat(vals, dim=2)  # (B, H_kv, T, D)
     g = h_q // k.shape[1]
     k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)  # (B, H_q, T, D)
     scale = (1.0 / math.sqrt(d)) if scaling is None else scaling

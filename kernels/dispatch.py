@@ -1,16 +1,21 @@
 """What the cache and the attention function call when the backend selects the kernels.
 
-    quantize_pack(x, spec)                              Body.append: quantize + pack new tokens
-    fused_attention(query, view, attention_mask, scaling)   attention over a LayerView, or None
+    quantize_pack_into(x, codec, pages, table, start)    the store's body append: quantize + pack into pages
+    quantize_pack(x, spec)                               the same, not paged (returns a QTensor)
+    fused_attention(query, view, attention_mask, scaling)   decode attention over a layer view, or None
 
-Both fall back rather than fail when a kernel cannot serve a call: `quantize_pack` to the reference
-quantizer (the same bits), `fused_attention` to None, which tells `kvquant.attention` to use the PyTorch
-reference path. Kernels run where Triton can: CUDA tensors, or any tensor under TRITON_INTERPRET=1.
+All fall back rather than fail when a kernel cannot serve a call: the quantizers to their reference twin
+(the same bits), `fused_attention` to None, which tells `kvquant.attention` to use the PyTorch reference
+path. A variant that cannot be built on the device (OutOfResources, a ptxas or compile error) is
+remembered by the `KernelRegistry` passed in (or the view's `kernel_registry`, or a default one), logged
+once, and not tried again. Kernels run where Triton can: CUDA tensors, or any tensor under
+TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -19,8 +24,11 @@ from kvquant.scheme import QuantSpec
 
 from .decode_attention import decode_attention
 from .quantize_pack import quantize_pack as _quantize_pack_kernel
+from .quantize_pack import quantize_pack_into as _quantize_pack_into_kernel
+from .quantize_pack import quantize_pack_into_ref
+from .registry import KernelRegistry
 
-__all__ = ["quantize_pack", "fused_attention"]
+__all__ = ["quantize_pack", "quantize_pack_into", "fused_attention", "KernelRegistry"]
 
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -29,21 +37,36 @@ def _triton_runs_on(device: torch.device) -> bool:
     return device.type == "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def quantize_pack(x: torch.Tensor, spec: QuantSpec) -> QTensor:
+def quantize_pack(x: torch.Tensor, spec: QuantSpec, *, registry: KernelRegistry | None = None) -> QTensor:
     """x (B, H_kv, T, D) -> QTensor, bit for bit `kvquant.quantize.quantize(x, spec)`."""
     if not _triton_runs_on(x.device):
         return quantize(x, spec)
-    return _quantize_pack_kernel(x, spec)
+    return _quantize_pack_kernel(x, spec, registry=registry)
 
 
-def fused_attention(query: torch.Tensor, view, attention_mask: torch.Tensor | None, scaling: float | None):
-    """Attention of query (B, H_q, q, D) over a `kvquant.cache.LayerView`; (B, q, H_q, D) or None.
+def quantize_pack_into(x: torch.Tensor, codec, pages: Mapping[str, torch.Tensor], table: torch.Tensor,
+                       start: int, *, registry: KernelRegistry | None = None) -> None:
+    """Encode x (B, H_kv, t, D) with codec into the body pages at region tokens [start, start + t) of
+    table (B, n_pages) int64 (see kvquant.kernels.quantize_pack.quantize_pack_into). Bit for bit
+    `codec.encode(x)` written by index; the reference does it where the kernel does not run."""
+    if not _triton_runs_on(x.device):
+        return quantize_pack_into_ref(x, codec, pages, table, start)
+    return _quantize_pack_into_kernel(x, codec, pages, table, start, registry=registry)
 
-    Served: decode (q == 1), fp16/bf16/fp32, head_dim a power of two >= 16, attention_mask None or bool
-    (B or 1, 1, 1, >= T) with True = attend (transformers' sdpa_mask), any pattern; only its first T
-    columns count (a mask sized for a longer buffer). Anything else (float masks, other shapes) returns
-    None (the caller's reference path). The mask goes to the kernel as a view, never looked at here, so
-    nothing syncs with the device. A sequence with no attended token gets zeros, as SDPA's math path gives.
+
+def fused_attention(query: torch.Tensor, view, attention_mask: torch.Tensor | None, scaling: float | None,
+                    *, registry: KernelRegistry | None = None):
+    """Attention of query (B, H_q, q, D) over a paged layer view; (B, q, H_q, D) or None.
+
+    The view (kvquant.cache.LayerView) is read through: block_size, fp_k, fp_v, sink, body, recent
+    (regions with .table, .offset, .length), key_codec, value_codec, key_pages, value_pages, shape
+    (B, H_kv, T, D), and optionally kernel_registry.
+    Served: decode (q == 1), fp16/bf16/fp32, head_dim a power of two >= 16, codecs whose
+    kernel_layout() is not None, attention_mask None or bool (B or 1, 1, 1, >= T) with True = attend
+    (transformers' sdpa_mask), any pattern; only its first T columns count. Anything else (float masks,
+    other shapes, a variant that cannot be built here) returns None: the caller's reference path. The
+    mask goes to the kernel as a view, never looked at here, so nothing syncs with the device.
+    A sequence with no attended token gets zeros, as SDPA's math path gives.
     """
     if query.dim() != 4 or query.shape[2] != 1 or query.dtype not in _FLOAT:
         return None
@@ -52,6 +75,9 @@ def fused_attention(query: torch.Tensor, view, attention_mask: torch.Tensor | No
     b, h_q, _, d = query.shape
     if d < 16 or d & (d - 1):
         return None
+    if view.body is not None and view.body.length:
+        if view.key_codec.kernel_layout() is None or view.value_codec.kernel_layout() is None:
+            return None
     kv_len = view.shape[2]
     key_mask = None
     if attention_mask is not None:
@@ -60,8 +86,9 @@ def fused_attention(query: torch.Tensor, view, attention_mask: torch.Tensor | No
             return None  # an additive float mask, or rows for q > 1
         if m.shape[0] not in (1, b) or m.shape[3] < kv_len:
             return None
-        key_mask = m[:, 0, 0, :kv_len].expand(b, kv_len)  # (B, T); stride 0 along B for a broadcast mask
+        key_mask = m[:, 0, 0, :kv_len]  # (B or 1, T); a broadcast row is read with stride 0
+    registry = registry or getattr(view, "kernel_registry", None)
     return decode_attention(
-        query, view.sink_k, view.sink_v, view.key_body, view.value_body, view.recent_k, view.recent_v,
-        scaling, key_mask,
+        query, view.fp_k, view.fp_v, view.key_pages, view.value_pages, view.key_codec, view.value_codec,
+        view.sink, view.body, view.recent, scaling, key_mask, registry=registry,
     )

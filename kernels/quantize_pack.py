@@ -1,13 +1,15 @@
-"""Quantize and pack K/V in one pass: `quantize_pack` (Triton) and its twin `quantize_pack_ref`.
+"""Quantize and pack K/V in one pass, written straight into pages: `quantize_pack_into` (Triton) and its
+twin `quantize_pack_into_ref`; `quantize_pack` / `quantize_pack_ref` return a non-paged QTensor.
 
-Both take x (B, H_kv, T, D) and a quantized `QuantSpec` and return a `kvquant.quantize.QTensor` that is
-bit for bit what `kvquant.quantize.quantize` returns (codes, scale, zero), for every granularity:
+`quantize_pack_into(x, codec, pages, table, start)` encodes x (B, H_kv, t, D) with an affine codec
+(kvquant.codec) and writes codes, scale and zero into the page pools at region tokens [start, start + t)
+of each sequence's table row; the twin is `codec.encode(x)` followed by the same index writes. What one
+program handles follows the codec's block extent (its `kernel_layout()`), never a granularity switch:
 
-    granularity   scale/zero shape      one program handles
-    token         (B, 1, T, 1)          one token (b, t): H * D elements, one block
-    head          (B, H, T, 1)          one token (b, t): H blocks of D
-    group (N)     (B, H, T, D // N)     one token (b, t): H * D / N blocks of N
-    channel (N)   (B, H, T // N, D)     one token group (b, h, T-group) and a slice of D
+    extent                          stats row per page     one program handles
+    1 token x all heads x D         (P, 1, BS, 1)          one token: H * D elements, one block
+    1 token x 1 head x CE channels  (P, H, BS, D // CE)    one token: H * D / CE blocks of CE
+    TE tokens x 1 channel           (P, H, BS // TE, D)    one token group of one head, a slice of D
 
 Bit-exactness: the arithmetic is the reference's, step for step, in fp32, against the *stored* scale
 and zero (rounded to the scale dtype so they cover the block: zero down, scale up, as the reference
@@ -19,15 +21,20 @@ contracted into an FMA (torch rounds after each operation). Rounding to a bf16 s
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 import triton
 import triton.language as tl
 
-from kvquant.packing import packed_size
-from kvquant.quantize import QTensor, quantize, scale_shape
-from kvquant.scheme import Granularity, QuantSpec
+from kvquant.codec import codec_for
+from kvquant.quantize import QTensor, quantize
+from kvquant.scheme import QuantSpec
 
-__all__ = ["quantize_pack", "quantize_pack_ref", "kernel_supports"]
+from .registry import KernelRegistry, default_registry
+
+__all__ = ["quantize_pack", "quantize_pack_ref", "quantize_pack_into", "quantize_pack_into_ref", "write_fields",
+           "kernel_supports"]
 
 _SCALE_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _MAX_TILE = 8192  # elements per program (fp32 registers); larger tokens/groups are split along D
@@ -141,32 +148,39 @@ def _pack_rows(q, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
         return tl.sum(grouped << shifts[None, None, :], axis=2).to(tl.uint8)  # disjoint bits: sum == or
 
 
-@triton.jit
+_TOKEN_DNS = ["sxb", "scp", "sch", "ssp", "ssh", "tab_b", "tab_n", "START", "BS"]
+
+
+@triton.jit(do_not_specialize=_TOKEN_DNS)
 def _quantize_token_kernel(
     x_ptr, codes_ptr, scale_ptr, zero_ptr,
-    sxb, sxh, sxt, sxd,  # x (B, H, T, D)
-    scb, sch, sct,  # codes (B, H, T, D * BITS // 8), last stride 1
-    ssb, ssh, sst, ssg,  # scale/zero, shape scale_shape(...)
-    T,
+    sxb, sxh, sxt, sxd,  # x (B, H, t, D)
+    scp, sch, sct,  # codes pool (P, H, BS, D * BITS // 8), last stride 1
+    ssp, ssh, sst, ssg,  # scale/zero pool (P, H or 1, BS, D // N)
+    tab_ptr, tab_b, tab_n, START, BS,  # token i of x goes to region token START + i of the table row
     D: tl.constexpr, NB: tl.constexpr, G: tl.constexpr, NB_PAD: tl.constexpr, G_PAD: tl.constexpr,
     BITS: tl.constexpr, SYMMETRIC: tl.constexpr, KIND: tl.constexpr,
 ):
-    """One program per token (b, t): its H * D elements as NB blocks of G (token: 1 x H*D, head: H x D,
-    group: H*D/N x N). Flat element f = j * G + e of block j lies at head f // D, channel f % D."""
-    t = tl.program_id(0)
+    """One program per token (i, b): its H * D elements as NB blocks of G (token: 1 x H*D, head: H x D,
+    group: H*D/N x N). Flat element f = j * G + e of block j lies at head f // D, channel f % D.
+    Written to page table[b, (START + i) // BS], slot (START + i) % BS."""
+    i = tl.program_id(0)
     b = tl.program_id(1).to(tl.int64)
+    jt = START + i
+    page = tl.load(tab_ptr + b * tab_b + (jt // BS) * tab_n)
+    slot = jt % BS
     j = tl.arange(0, NB_PAD)
     e = tl.arange(0, G_PAD)
     valid = (j[:, None] < NB) & (e[None, :] < G)
     f = j[:, None] * G + e[None, :]
-    x_off = b * sxb + t * sxt + (f // D) * sxh + (f % D) * sxd
+    x_off = b * sxb + i * sxt + (f // D) * sxh + (f % D) * sxd
     x = tl.load(x_ptr + x_off, mask=valid, other=0.0).to(tl.float32)
 
     q, scale, zero = _quantize_tile(x, valid, 1, BITS, SYMMETRIC, KIND)
 
     # stats: block j starts at flat f0 = j * G -> head f0 // D, group (f0 % D) // G (0 unless -gN)
     f0 = j * G
-    s_off = b * ssb + t * sst + (f0 // D) * ssh + ((f0 % D) // G) * ssg
+    s_off = page * ssp + slot * sst + (f0 // D) * ssh + ((f0 % D) // G) * ssg
     tl.store(scale_ptr + s_off, scale, mask=j < NB)
     if not SYMMETRIC:
         tl.store(zero_ptr + s_off, zero, mask=j < NB)
@@ -175,25 +189,33 @@ def _quantize_token_kernel(
     packed = _pack_rows(q, NB_PAD, G_PAD, BITS)  # (NB_PAD, G_PAD // PER)
     k = tl.arange(0, G_PAD // PER)
     fb = j[:, None] * G + k[None, :] * PER  # flat index of each byte's first code; G % PER == 0
-    c_off = b * scb + t * sct + (fb // D) * sch + (fb % D) // PER
+    c_off = page * scp + slot * sct + (fb // D) * sch + (fb % D) // PER
     tl.store(codes_ptr + c_off, packed, mask=(j[:, None] < NB) & (k[None, :] * PER < G))
 
 
-@triton.jit
+_CHANNEL_DNS = ["sxb", "scp", "sch", "ssp", "ssh", "tab_b", "tab_n", "START", "BS"]
+
+
+@triton.jit(do_not_specialize=_CHANNEL_DNS)
 def _quantize_channel_kernel(
     x_ptr, codes_ptr, scale_ptr, zero_ptr,
-    sxb, sxh, sxt, sxd,  # x (B, H, T, D)
-    scb, sch, sct,  # codes (B, H, T, D * BITS // 8)
-    ssb, ssh, ssg, ssd,  # scale/zero (B, H, T // N, D)
+    sxb, sxh, sxt, sxd,  # x (B, H, t, D)
+    scp, sch, sct,  # codes pool (P, H, BS, D * BITS // 8), last stride 1
+    ssp, ssh, ssg, ssd,  # scale/zero pool (P, H, BS // N, D)
+    tab_ptr, tab_b, tab_n, START, BS,
     H,
     D: tl.constexpr, N: tl.constexpr, N_PAD: tl.constexpr, BLOCK_D: tl.constexpr,
     BITS: tl.constexpr, SYMMETRIC: tl.constexpr, KIND: tl.constexpr,
 ):
-    """One program per (b, h, token group, D slice): N tokens x BLOCK_D channels, one block per channel."""
+    """One program per (token group, b * h, D slice): N tokens x BLOCK_D channels, one block per channel.
+    The group's N tokens lie in one page (START and BS are multiples of N); its stats row is slot // N."""
     grp = tl.program_id(0)
     bh = tl.program_id(1)
     b = (bh // H).to(tl.int64)
     h = bh % H
+    j0 = START + grp * N
+    page = tl.load(tab_ptr + b * tab_b + (j0 // BS) * tab_n)
+    slot0 = j0 % BS
     i = tl.arange(0, N_PAD)
     d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     t = grp * N + i
@@ -203,7 +225,7 @@ def _quantize_channel_kernel(
 
     q, scale, zero = _quantize_tile(x, valid, 0, BITS, SYMMETRIC, KIND)
 
-    s_off = b * ssb + h * ssh + grp * ssg + d * ssd
+    s_off = page * ssp + h * ssh + (slot0 // N) * ssg + d * ssd
     tl.store(scale_ptr + s_off, scale, mask=d < D)
     if not SYMMETRIC:
         tl.store(zero_ptr + s_off, zero, mask=d < D)
@@ -211,7 +233,7 @@ def _quantize_channel_kernel(
     PER: tl.constexpr = 8 // BITS
     packed = _pack_rows(q, N_PAD, BLOCK_D, BITS)  # (N_PAD, BLOCK_D // PER)
     k = tl.program_id(2) * (BLOCK_D // PER) + tl.arange(0, BLOCK_D // PER)
-    c_off = b * scb + h * sch + t[:, None] * sct + k[None, :]
+    c_off = page * scp + h * sch + (slot0 + i)[:, None] * sct + k[None, :]
     tl.store(codes_ptr + c_off, packed, mask=(i[:, None] < N) & (k[None, :] * PER < D))
 
 
@@ -219,21 +241,129 @@ def _quantize_channel_kernel(
 
 
 def kernel_supports(x: torch.Tensor, spec: QuantSpec) -> bool:
-    """Whether the kernel serves this input; otherwise `quantize_pack` uses the reference (same bits).
+    """Whether the kernel serves this input; otherwise the reference runs (same bits).
 
     Not served: a group of channels that does not fill whole bytes (group size not a multiple of
     8 // bits, e.g. int4-g1), and non-float inputs.
     """
-    per = 8 // spec.bits
-    if x.dtype not in _SCALE_KIND:
+    if x.dtype not in _SCALE_KIND or not spec.is_quantized:
         return False
-    if spec.granularity is Granularity.GROUP and spec.group_size % per:
+    lay = codec_for(spec, x.shape[1], x.shape[3], x.dtype).kernel_layout()
+    if lay is None:
         return False
-    return True
+    return lay.token_extent > 1 or lay.channel_extent % (8 // spec.bits) == 0
 
 
-def _launch(x: torch.Tensor, spec: QuantSpec) -> QTensor:
-    """Check x and spec, allocate the outputs, compute the grid and run the kernel."""
+def _check_into(x: torch.Tensor, codec, pages: Mapping[str, torch.Tensor], table: torch.Tensor, start: int):
+    if x.dim() != 4 or x.shape[1] != codec.heads or x.shape[3] != codec.head_dim:
+        raise ValueError(f"quantize_pack_into: x must be (B, H_kv={codec.heads}, t, D={codec.head_dim}), "
+                         f"got {tuple(x.shape)}")
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[0] != x.shape[0]:
+        raise ValueError(f"quantize_pack_into: table must be int64 (B={x.shape[0]}, n_pages), "
+                         f"got {table.dtype} {tuple(table.shape)}")
+    group = codec.token_group
+    if start % group or x.shape[2] % group:
+        raise ValueError(f"quantize_pack_into: start={start} and t={x.shape[2]} must be multiples of the "
+                         f"codec's token group {group}")
+    missing = set(codec.fields()) - set(pages)
+    if missing:
+        raise ValueError(f"quantize_pack_into: pages lack the fields {sorted(missing)}")
+
+
+def write_fields(pages: Mapping[str, torch.Tensor], fields: Mapping[str, torch.Tensor], codec,
+                 table: torch.Tensor, start: int) -> None:
+    """Write encoded fields {name: (B, heads_f, t // tokens_f, cols_f)} into their pools
+    (P, heads_f, BS // tokens_f, cols_f) at region tokens [start, start + t) of table's rows."""
+    layout = codec.fields()
+    for name, val in fields.items():
+        pool, tokens = pages[name], layout[name].tokens
+        n = val.shape[2]
+        if n == 0:
+            continue
+        bs = pool.shape[2] * tokens
+        j = start + torch.arange(n, device=table.device) * tokens  # first region token of each row
+        idx = table[:, j // bs].to(pool.device)  # (B, n)
+        rows = ((j % bs) // tokens).to(pool.device).expand_as(idx)
+        pool[idx, :, rows] = val.transpose(1, 2).to(pool.dtype)  # (B, n, heads_f, cols_f)
+
+
+def _launch_into(x, codec, pages, table, start, registry) -> bool:
+    """Quantize x and write it through the table; False when the kernel cannot serve (caller: the ref)."""
+    lay = codec.kernel_layout()
+    if lay is None or lay.bits == 16 or x.dtype not in _SCALE_KIND:
+        return False
+    x = x.to(codec.dtype)  # codec.encode quantizes the K/V dtype
+    b, h, t, d = x.shape
+    bits, per = lay.bits, 8 // lay.bits
+    te, ce = lay.token_extent, lay.channel_extent
+    if te == 1 and ce % per:
+        return False  # a group that does not fill whole bytes
+    codes, scale = pages["codes"], pages["scale"]
+    zero = pages.get("zero", scale) if not lay.symmetric else scale
+    bs = codes.shape[2]
+    if bs % te or codes.stride(-1) != 1:
+        return False
+    if t == 0:
+        return True
+    kind = _SCALE_KIND[codec.scale_dtype]
+    ss = scale.stride()
+    tab = (table, table.stride(0), table.stride(1), start, bs)
+    if te > 1:
+        n = te
+        n_pad = triton.next_power_of_2(n)
+        d_pad = max(triton.next_power_of_2(d), per)
+        block_d = max(min(d_pad, triton.next_power_of_2(max(_MAX_TILE // n_pad, 1))), per)
+        grid = (t // n, b * h, triton.cdiv(d, block_d))
+        consts = dict(D=d, N=n, N_PAD=n_pad, BLOCK_D=block_d, BITS=bits, SYMMETRIC=lay.symmetric, KIND=kind)
+        args = (x, codes, scale, zero, *x.stride(), *codes.stride()[:3], *ss, *tab, h)
+        kernel = _quantize_channel_kernel
+    else:
+        g = ce * (h if lay.shared_heads else 1)  # elements per block
+        nb = h * d // g
+        s_h = 0 if lay.shared_heads else ss[1]
+        consts = dict(D=d, NB=nb, G=g, NB_PAD=triton.next_power_of_2(nb), G_PAD=max(triton.next_power_of_2(g), per),
+                      BITS=bits, SYMMETRIC=lay.symmetric, KIND=kind)
+        args = (x, codes, scale, zero, *x.stride(), *codes.stride()[:3], ss[0], s_h, ss[2], ss[3], *tab)
+        grid = (t, b)
+        kernel = _quantize_token_kernel
+    variant = (x.dtype, codes.dtype, scale.dtype, *sorted(consts.items()))
+    return (registry or default_registry()).launch(kernel, grid, args, dict(consts, enable_fp_fusion=False),
+                                                   variant)
+
+
+# ----------------------------------------------------------------------------------------------- public
+
+
+def quantize_pack_into(x: torch.Tensor, codec, pages: Mapping[str, torch.Tensor], table: torch.Tensor,
+                       start: int, *, registry: KernelRegistry | None = None) -> None:
+    """Quantize + pack x (B, H_kv, t, D) with `codec` and write it straight into the body pages.
+
+    pages: the codec's field pools by name, (P, heads_f, BS // tokens_f, cols_f) (kvquant.codec);
+    table: (B, n_pages) int64 page ids of a region in position order (its offset 0); the t tokens go to
+    region tokens [start, start + t): token i to page table[b, (start + i) // BS], slot (start + i) % BS,
+    its scale row to slot // token_extent. start and t are multiples of the codec's token group, and so
+    is BS. Bit for bit `quantize_pack_into_ref` (= codec.encode + the same index writes), for every
+    granularity; a dense codec (fp16 body) is a plain copy. Nothing outside the written rows changes.
+    """
+    _check_into(x, codec, pages, table, start)
+    if not _launch_into(x, codec, pages, table, start, registry):
+        quantize_pack_into_ref(x, codec, pages, table, start)
+
+
+def quantize_pack_into_ref(x: torch.Tensor, codec, pages: Mapping[str, torch.Tensor], table: torch.Tensor,
+                           start: int, **unused) -> None:
+    """The reference twin of `quantize_pack_into` (same arguments, same pool contents afterwards)."""
+    _check_into(x, codec, pages, table, start)
+    write_fields(pages, codec.encode(x), codec, table, start)
+
+
+def quantize_pack(x: torch.Tensor, spec: QuantSpec, *, registry: KernelRegistry | None = None) -> QTensor:
+    """Quantize x (B, H_kv, T, D) with a quantized `spec` and pack the codes along D (not paged).
+
+    Returns a QTensor: codes uint8 (B, H_kv, T, D * bits // 8), scale/zero of `scale_shape(x.shape, spec)`
+    in the spec's scale dtype (default x.dtype); equal bit for bit to `kvquant.quantize.quantize(x, spec)`.
+    The same kernel as `quantize_pack_into`, with each sequence's tensor seen as one page of T tokens.
+    """
     if x.dim() != 4:
         raise ValueError(f"quantize_pack: expected x of shape (B, H_kv, T, D), got {tuple(x.shape)}")
     if not spec.is_quantized:
@@ -242,62 +372,18 @@ def _launch(x: torch.Tensor, spec: QuantSpec) -> QTensor:
         raise TypeError(f"quantize_pack: x must be fp16, bf16 or fp32, got {x.dtype}")
     spec.check_head_dim(x.shape[-1])
     b, h, t, d = x.shape
-    n = spec.group_size
-    if spec.granularity is Granularity.CHANNEL and t % n:
-        raise ValueError(f"quantize_pack: channel granularity groups {n} tokens, but T={t} is not a multiple")
-    sdtype = spec.scale_dtype or x.dtype
-    kind = _SCALE_KIND[sdtype]
-    bits, per = spec.bits, 8 // spec.bits
-    codes = torch.empty((b, h, t, packed_size(d, bits)), dtype=torch.uint8, device=x.device)
-    sshape = scale_shape(x.shape, spec)
-    scale = torch.empty(sshape, dtype=sdtype, device=x.device)
-    zero = None if spec.symmetric else torch.empty(sshape, dtype=sdtype, device=x.device)
-    zero_arg = scale if zero is None else zero
-    if x.numel() == 0:
-        return QTensor(codes, scale, zero, spec, x.shape, x.dtype)
-
-    if spec.granularity is Granularity.CHANNEL:
-        n_pad = triton.next_power_of_2(n)
-        d_pad = max(triton.next_power_of_2(d), per)
-        block_d = max(min(d_pad, triton.next_power_of_2(max(_MAX_TILE // n_pad, 1))), per)
-        grid = (t // n, b * h, triton.cdiv(d, block_d))
-        _quantize_channel_kernel[grid](
-            x, codes, scale, zero_arg,
-            *x.stride(), *codes.stride()[:3], *scale.stride(),
-            h, D=d, N=n, N_PAD=n_pad, BLOCK_D=block_d,
-            BITS=bits, SYMMETRIC=spec.symmetric, KIND=kind,
-            enable_fp_fusion=False,
-        )
-    else:
-        g = {Granularity.TOKEN: h * d, Granularity.HEAD: d, Granularity.GROUP: n}[spec.granularity]
-        nb = h * d // g
-        ss = scale.stride()
-        s_h = 0 if spec.granularity is Granularity.TOKEN else ss[1]
-        s_g = ss[3] if spec.granularity is Granularity.GROUP else 0
-        _quantize_token_kernel[(t, b)](
-            x, codes, scale, zero_arg,
-            *x.stride(), *codes.stride()[:3], ss[0], s_h, ss[2], s_g,
-            t, D=d, NB=nb, G=g, NB_PAD=triton.next_power_of_2(nb), G_PAD=max(triton.next_power_of_2(g), per),
-            BITS=bits, SYMMETRIC=spec.symmetric, KIND=kind,
-            enable_fp_fusion=False,
-        )
-    return QTensor(codes, scale, zero, spec, x.shape, x.dtype)
-
-
-# ----------------------------------------------------------------------------------------------- public
-
-
-def quantize_pack(x: torch.Tensor, spec: QuantSpec) -> QTensor:
-    """Quantize x (B, H_kv, T, D) with a quantized `spec` and pack the codes along D.
-
-    Returns a QTensor: codes uint8 (B, H_kv, T, D * bits // 8), scale/zero of `scale_shape(x.shape, spec)`
-    in `spec.scale_dtype or x.dtype`; equal bit for bit to `kvquant.quantize.quantize(x, spec)`.
-    Preconditions: x is fp16/bf16/fp32 on a device Triton runs on; D divisible by the group size and by
-    8 // bits; for channel granularity T is a multiple of the token-group size.
-    """
+    codec = codec_for(spec, h, d, x.dtype)
+    if t % codec.token_group:
+        raise ValueError(f"quantize_pack: {spec} groups {codec.token_group} tokens, but T={t} is not a multiple")
     if not kernel_supports(x, spec):
         return quantize_pack_ref(x, spec)
-    return _launch(x, spec)
+    fields = codec.fields()
+    pages = {name: torch.empty((b, f.heads, t // f.tokens, f.cols), dtype=f.dtype, device=x.device)
+             for name, f in fields.items()}
+    table = torch.arange(b, device=x.device).view(b, 1)
+    if t and not _launch_into(x, codec, pages, table, 0, registry):
+        return quantize_pack_ref(x, spec)
+    return QTensor(pages["codes"], pages["scale"], pages.get("zero"), spec, x.shape, x.dtype)
 
 
 def quantize_pack_ref(x: torch.Tensor, spec: QuantSpec) -> QTensor:

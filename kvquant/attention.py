@@ -40,7 +40,7 @@ def kvquant_attention(
         if uses_kernels(key.backend, query.device):
             from .kernels.dispatch import fused_attention  # lazy: `import kvquant` never imports triton
 
-            out = fused_attention(query, key, attention_mask, scaling)
+            out = fused_attention(query, key, attention_mask, scaling, registry=key.kernel_registry)
             if out is not None:
                 return out, None
         view = key

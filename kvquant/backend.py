@@ -11,7 +11,7 @@ import importlib.util
 
 import torch
 
-__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "check_backend", "uses_kernels"]
+__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "KernelHandle", "check_backend", "uses_kernels"]
 
 ATTN_IMPLEMENTATION = "kvquant"  # the name kvquant's attention is registered under in transformers
 BACKENDS = ("auto", "triton", "torch")
@@ -29,3 +29,18 @@ def uses_kernels(backend: str, device: torch.device) -> bool:
     if check_backend(backend) == "triton":
         return True
     return backend == "auto" and device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+class KernelHandle:
+    """One cache's access to the Triton kernels: `kvquant.kernels` is imported on first use only, and the
+    cache's layers share one `KernelRegistry` (the variants that could not be built here, each logged once)."""
+
+    def __init__(self) -> None:
+        self._registry = None
+
+    def registry(self):
+        if self._registry is None:
+            from .kernels.registry import KernelRegistry  # lazy: `import kvquant` never imports triton
+
+            self._registry = KernelRegistry("kvquant cache")
+        return self._registry

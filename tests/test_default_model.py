@@ -75,3 +75,38 @@ def test_quantized_generation(setup, scheme, min_agree, max_kl, same_prefix):
     assert cache.get_seq_length() == p + NEW - 1
     assert cache.nbytes() == memory.cache_bytes(model.config, scheme, p + NEW - 1, dtype=torch.float32)
     assert cache.nbytes() < memory.cache_bytes(model.config, "fp16", p + NEW - 1, dtype=torch.float32) / 3.5
+
+
+@pytest.mark.parametrize("scheme", ["int4-g64", "k=int4-channel-g64,v=int4-g64,sink=4,window=128", "kivi-2"])
+def test_paged_body_is_the_old_layouts_arithmetic(default_model, scheme):
+    """On a real-model run (300 tokens in chunks of 128), every layer's stored body decodes bit for bit to
+    dequantize(quantize(.)) of the K/V the model gave that layer, quantized as one tensor: what the
+    previous, unpaged layout stored (it appended quantize() of each flushed group; blocks never span a flush
+    boundary, so one call over all body tokens gives the same codes). Pages change where bytes live, not
+    which bytes."""
+    model, tok = default_model
+    ids = tok(PROMPT * 40, return_tensors="pt").input_ids[:, :300]
+    cache = kvquant.QuantizedCache(scheme, model.config)
+    seen: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in range(len(cache.layers))}
+    for i, layer in enumerate(cache.layers):
+        update = layer.update
+
+        def spy(k, v, *args, _update=update, _i=i, **kwargs):
+            seen[_i].append((k.clone(), v.clone()))
+            return _update(k, v, *args, **kwargs)
+
+        layer.update = spy
+    with torch.no_grad():
+        for start in range(0, 300, 128):
+            model(ids[:, start : start + 128], cache=cache)
+    s = cache.scheme
+    for i, layer in enumerate(cache.layers):
+        k = torch.cat([kv[0] for kv in seen[i]], dim=2)
+        v = torch.cat([kv[1] for kv in seen[i]], dim=2)
+        lo, hi = s.sink, s.quantized_end(300)
+        assert layer.body_len == hi - lo > 0
+        view = layer.view()
+        for got, x, spec in ((view.keys(torch.float32), k, s.key), (view.values(torch.float32), v, s.value)):
+            want = kvquant.dequantize(kvquant.quantize(x[:, :, lo:hi], spec))
+            assert torch.equal(got[:, :, lo:hi], want), (scheme, i)
+            assert torch.equal(got[:, :, :lo], x[:, :, :lo]) and torch.equal(got[:, :, hi:], x[:, :, hi:])

@@ -1,141 +1,109 @@
-"""The entry points the cache calls: decode masks, fallbacks, and a tiny Llama end to end."""
+"""The entry points the cache calls, against stand-in layer views (kvquant.kernels.testing.PagedLayer has
+exactly the attributes kvquant.cache.LayerView exposes): masks, fallbacks, the build-failure memo."""
 
 from __future__ import annotations
 
-import copy
-import functools
+import logging
 
 import pytest
 import torch
 from kvquant.kernels import dispatch
-
-import kvquant
-from kvquant.attention import kvquant_attention
-from kvquant.cache import QuantizedLayer
-
-
-def sdpa_bool_mask(valid: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool -> (B, 1, 1, T), the form transformers' sdpa_mask gives a decode step."""
-    return valid[:, None, None, :]
+from kvquant.kernels.decode_attention import decode_attention_ref
+from kvquant.kernels.registry import KernelRegistry
+from kvquant.kernels.testing import make_paged_layer
 
 
-def layer_with(scheme: str, n: int, device, b: int = 2, d: int = 64, seed: int = 0) -> QuantizedLayer:
-    g = torch.Generator().manual_seed(seed)
-    layer = QuantizedLayer(scheme, backend="triton")
-    rand = lambda t: torch.randn(b, 2, t, d, generator=g).to(device)
-    for chunk in (n - 3, 1, 1, 1):  # a prefill, then single tokens
-        layer.update(rand(chunk), rand(chunk))
-    return layer
-
-
-@functools.cache
-def shared_layer(scheme: str, device: torch.device) -> QuantizedLayer:
-    """A 40-token layer, built once per scheme (building runs the interpreted quantize kernel); read only."""
-    return layer_with(scheme, n=40, device=device)
-
-
-def decode_mask(kind: str, device) -> torch.Tensor | None:
-    """The 4D bool mask of a decode step over 40 tokens (B = 2), as transformers' sdpa_mask may give it."""
+def decode_mask(kind: str, t: int, device) -> torch.Tensor | None:
     if kind == "none":
         return None
-    valid = torch.ones(2, 40, dtype=torch.bool)
+    valid = torch.ones(2, t, dtype=torch.bool)
     if kind == "left_padding":
         valid[1, :7] = False
-    elif kind == "holes":
-        valid[0, ::3] = False
-        valid[1, 10:30] = False
-    elif kind == "broadcast":  # (1, 1, 1, T): one row for the whole batch, read with stride 0
-        valid = (torch.arange(40) % 5 != 2)[None]
+    elif kind == "broadcast":
+        valid = (torch.arange(t) % 5 != 2)[None]
     elif kind == "longer":  # more columns than tokens: only the first T count
         valid = torch.cat([valid, torch.zeros(2, 3, dtype=torch.bool)], dim=1)
         valid[0, :4] = False
-    elif kind == "empty_row":  # zeros, as SDPA gives
-        valid[1] = False
-    return sdpa_bool_mask(valid.to(device))
+    return valid[:, None, None, :].to(device)
 
 
-CASES = [  # (scheme, mask kind): every mask kind on one scheme, the left-padded batch on the others
-    *[("k=int4-channel-g8,v=int4-g32,sink=2,window=4", kind)
-      for kind in ("none", "left_padding", "holes", "broadcast", "longer", "empty_row")],
-    ("int8,window=3", "left_padding"),
-    ("fp16", "holes"),
-]
-
-
-@pytest.mark.parametrize("scheme,kind", CASES, ids=[f"{s}:{k}" for s, k in CASES])
-def test_fused_attention_matches_the_reference_path(scheme, kind, device):
-    layer = shared_layer(scheme, device)
-    view = layer.view()
+@pytest.mark.parametrize("kind", ["none", "left_padding", "broadcast", "longer"])
+def test_fused_attention_matches_the_reference(kind, device):
+    layer = make_paged_layer(k="int4-channel-g8", v="int4-g32", sink=2, body=32, recent=4, recent_offset=6,
+                             dtype=torch.float32, device=device)
     q = torch.randn(2, 6, 1, 64, device=device)
-    mask = decode_mask(kind, device)
-    got = dispatch.fused_attention(q, view, mask, None)
+    mask = decode_mask(kind, layer.shape[2], device)
+    got = dispatch.fused_attention(q, layer, mask, 0.125)
     assert got is not None
-    module = torch.nn.Module()
-    module.is_causal, module.training, module.num_key_value_groups = True, False, 3
-    torch_view = QuantizedLayer(scheme, backend="torch")
-    torch_view.__dict__.update({k: v for k, v in layer.__dict__.items() if k != "backend"})
-    ref_view = torch_view.view()
-    ref_mask = None if mask is None else mask[..., :40]  # transformers' SDPA wants exactly T columns
-    want, _ = kvquant_attention(module, q, ref_view, ref_view, ref_mask, scaling=0.125)
+    key_mask = None if mask is None else mask[:, 0, 0, : layer.shape[2]]
+    want = decode_attention_ref(q, *layer.decode_args(), 0.125, key_mask, upcast=True)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 def test_fused_attention_declines_what_it_does_not_serve(device):
-    view = layer_with("int4-g32", n=10, device=device).view()
+    layer = make_paged_layer(body=16, dtype=torch.float32, device=device)
+    t = layer.shape[2]
     q = torch.randn(2, 6, 1, 64, device=device)
-    prefill = torch.randn(2, 6, 3, 64, device=device)
-    assert dispatch.fused_attention(prefill, view, None, None) is None
-    additive = torch.zeros(2, 1, 1, 10, device=device)
-    assert dispatch.fused_attention(q, view, additive, None) is None
-    short = torch.ones(2, 1, 1, 9, dtype=torch.bool, device=device)
-    assert dispatch.fused_attention(q, view, short, None) is None
-    rows = torch.ones(2, 1, 2, 10, dtype=torch.bool, device=device)
-    assert dispatch.fused_attention(q, view, rows, None) is None
-    assert dispatch.fused_attention(q[..., :48], view, None, None) is None  # head_dim not a power of two
+    assert dispatch.fused_attention(torch.randn(2, 6, 3, 64, device=device), layer, None, None) is None
+    assert dispatch.fused_attention(q, layer, torch.zeros(2, 1, 1, t, device=device), None) is None
+    assert dispatch.fused_attention(q, layer, torch.ones(2, 1, 1, t - 1, dtype=torch.bool, device=device),
+                                    None) is None
+    assert dispatch.fused_attention(q, layer, torch.ones(2, 1, 2, t, dtype=torch.bool, device=device),
+                                    None) is None
+    assert dispatch.fused_attention(q[..., :48], layer, None, None) is None
+
+    class NoKernel(type(layer.key_codec)):
+        def kernel_layout(self):
+            return None
+
+    unserved = make_paged_layer(body=16, dtype=torch.float32, device=device)
+    unserved.key_codec.__class__ = NoKernel
+    assert dispatch.fused_attention(q, unserved, None, None) is None
 
 
-def test_quantize_pack_entry_is_the_reference_bit_for_bit(device):
-    x = torch.randn(1, 2, 8, 64, device=device)
-    spec = kvquant.parse_scheme("int4-channel-g4").key
-    got, want = dispatch.quantize_pack(x, spec), kvquant.quantize(x.cpu(), spec)
-    assert torch.equal(got.codes.cpu(), want.codes) and torch.equal(got.scale.cpu(), want.scale)
+def test_a_variant_that_cannot_be_built_is_refused_once_per_registry(monkeypatch, caplog):
+    """OutOfResources at launch: logged once, answered False (-> reference path) without retrying."""
+    from kvquant.kernels import registry as reg
+    from triton.runtime.errors import OutOfResources
+
+    monkeypatch.setattr(reg, "is_build_failure", lambda exc: isinstance(exc, OutOfResources))
+    calls = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                calls.append(grid)
+                raise OutOfResources(300000, 232448, "shared memory")
+            return launch
+
+    r, kernel = KernelRegistry("test"), Kernel()
+    with caplog.at_level(logging.WARNING, logger="kvquant.kernels"):
+        assert r.launch(kernel, (1,), (), {}, ("v", 1)) is False
+        assert r.launch(kernel, (1,), (), {}, ("v", 1)) is False
+    assert len(calls) == 1 and len(caplog.records) == 1
+    assert KernelRegistry("other").launch(kernel, (1,), (), {}, ("v", 1)) is False  # its own memo
+    assert len(calls) == 2
+    with pytest.raises(ValueError):  # a wrong argument is not a build failure: it propagates
+
+        class Bad:
+            def __getitem__(self, grid):
+                return lambda *a, **k: (_ for _ in ()).throw(ValueError("bad"))
+
+        r.launch(Bad(), (1,), (), {}, ("w",))
 
 
-@pytest.mark.parametrize("scheme", ["k=int4-channel-g8,v=int4-g32,sink=2,window=4", "int8"])
-def test_generate_triton_equals_torch(tiny_model, scheme, monkeypatch, device):
-    """generate with backend="triton" gives the torch backend's tokens and close logits; the kernels ran."""
-    # tests/conftest.py: 2 layers, 6 query heads over 2 KV heads, head_dim 64 (on a GPU: a copy)
-    tiny = tiny_model if device.type == "cpu" else copy.deepcopy(tiny_model).to(device)
-    calls = {"attention": 0, "served": 0, "quantize": 0}
-    fused, qpack = dispatch.fused_attention, dispatch.quantize_pack
+def test_quantize_pack_into_entry_is_the_reference_bit_for_bit(device):
+    from kvquant.kernels.quantize_pack import quantize_pack_into_ref
 
-    def spy_attention(*args):
-        calls["attention"] += 1
-        out = fused(*args)
-        calls["served"] += out is not None
-        return out
+    from kvquant.codec import codec_for
 
-    def spy_quantize(*args):
-        calls["quantize"] += 1
-        return qpack(*args)
-
-    monkeypatch.setattr(dispatch, "fused_attention", spy_attention)
-    monkeypatch.setattr(dispatch, "quantize_pack", spy_quantize)
-    g = torch.Generator().manual_seed(1)
-    ids = torch.randint(1, 1000, (2, 20), generator=g)
-    mask = torch.ones_like(ids)
-    ids[1, :5], mask[1, :5] = 0, 0  # left padding in the second sequence
-    ids, mask = ids.to(device), mask.to(device)
-    outs = {}
-    for backend in ("triton", "torch"):
-        cache = kvquant.QuantizedCache(scheme, tiny.config, backend=backend)
-        outs[backend] = tiny.generate(
-            ids, attention_mask=mask, cache=cache, max_new_tokens=4, do_sample=False,
-            output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-        )
-    assert torch.equal(outs["triton"].sequences, outs["torch"].sequences)
-    for a, b in zip(outs["triton"].logits, outs["torch"].logits, strict=True):
-        torch.testing.assert_close(a, b, rtol=0, atol=1e-3)  # fp32 model: kernels vs SDPA, same codes
-    layers = tiny.config.num_hidden_layers
-    assert calls["served"] == 3 * layers  # 3 decode steps (the first new token comes from the prefill)
-    assert calls["quantize"] >= 2 * layers  # K and V bodies written through the kernel entry point
+    codec = codec_for("int4-channel-g4", 2, 64, torch.float32)
+    x = torch.randn(1, 2, 8, 64)
+    pools = {n: torch.zeros(3, f.heads, 16 // f.tokens, f.cols, dtype=f.dtype) for n, f in codec.fields().items()}
+    want = {n: p.clone() for n, p in pools.items()}
+    got = {n: p.to(device) for n, p in pools.items()}
+    table = torch.tensor([[2, 0]])
+    dispatch.quantize_pack_into(x.to(device), codec, got, table.to(device), 4)
+    quantize_pack_into_ref(x, codec, want, table, 4)
+    for n in want:
+        assert torch.equal(got[n].cpu(), want[n])
