@@ -33,7 +33,11 @@ SCHEMES = ["int4-g64", "int8", "int2-g32", "k=int4-channel-g64,v=int4-g64"]
 CONTEXTS = [1024, 4096, 16384, 32768, 65536, 131072]
 BATCHES = [1, 8, 32, 64]
 FIELDS = ["time_utc", "device", "layout", "scheme", "batch", "context", "method", "us_median", "us_p20",
-          "us_p80", "bytes", "gb_s", "pct_copy_bw", "speedup_vs_sdpa", "speedup_vs_dequant"]
+          "us_p80", "bytes", "gb_s", "pct_copy_bw", "pct_peak", "speedup_vs_sdpa", "speedup_vs_dequant",
+          "host_us_per_call", "note"]
+PEAK_GBS = 4800.0  # H200 HBM3e
+KEY_SCHEMES = ["int4-g64", "int8", "k=int4-channel-g32,v=int4-g32", "fp16"]  # KIVI-4 is the third
+KEY_POINTS = [(t, b) for t in (4096, 32768) for b in (1, 8, 32)] + [(131072, 1)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -54,11 +58,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def plan(args) -> list[tuple[str, str, int, int]]:
     """(layout, scheme, context, batch) points to run."""
-    if args.key_points:
-        return [("llama3-8b", s, t, b) for s in ("int4-g64", "int8") for t in (16384, 32768) for b in (1, 8)]
+    if args.key_points and not args.interpret:
+        # bare and with sink+window (the normal cache case), B 1/8/32 x T 4k/32k, and 128k at B=1
+        schemes = [s + fp for s in KEY_SCHEMES for fp in ("", ",sink=4,window=128")]
+        return [("llama3-8b", s, t, b) for s in schemes for t, b in KEY_POINTS]
     if args.interpret:  # the interpreter runs every program in Python: keep it tiny
         contexts, batches = args.contexts or [128], args.batches or [1]
-        schemes = args.schemes or ["int4-g64", "int8"]
+        schemes = args.schemes or (["int4-g64,sink=4,window=128", "k=int4-channel-g32,v=int4-g32", "fp16"]
+                                   if args.key_points else ["int4-g64", "int8"])
     elif args.quick:
         contexts, batches = args.contexts or [4096, 32768], args.batches or [1, 8]
         schemes = args.schemes or ["int4-g64", "int8"]
@@ -119,10 +126,95 @@ def fits(device, h_kv: int, d: int, t: int, b: int, fraction: float) -> bool:
     return need <= fraction * free
 
 
+class _Recorder:
+    """A KernelRegistry stand-in that launches and remembers each launch, so the split and the reduce
+    kernels can be timed alone (replayed with the same arguments)."""
+
+    def __init__(self):
+        self.launches = []
+
+    def launch(self, kernel, grid, args, kwargs, variant) -> bool:
+        kernel[grid](*args, **kwargs)
+        self.launches.append((kernel, grid, args, kwargs))
+        return True
+
+
+def sdpa_flash(q, k, v):
+    """SDPA pinned to the flash backend (the fair FP16 baseline); (fn, backend name) where flash refuses
+    this call (GQA, dtype, CPU), the backend torch picks, named."""
+    import torch
+    import torch.nn.functional as F
+
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # pragma: no cover - old torch
+        return (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)), "default"
+    g = q.shape[1] // k.shape[1]
+    if q.device.type == "cuda":
+        # flash with GQA read in place first; else flash on K/V expanded to H_q (reads g times the bytes:
+        # named in the note, since it flatters the fused kernel)
+        for kk, vv, kw, name in ((k, v, {"enable_gqa": True}, "flash"),
+                                 (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), {}, "flash (K/V expanded)")):
+            try:
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    F.scaled_dot_product_attention(q, kk, vv, **kw)
+            except RuntimeError:
+                continue
+
+            def fn(kk=kk, vv=vv, kw=kw):
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    return F.scaled_dot_product_attention(q, kk, vv, **kw)
+            return fn, name
+    return (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)), "default"
+
+
+def host_us(fn, device, n: int = 50) -> float:
+    """Host time per call: n calls launched back to back, timed before the device is waited for."""
+    import torch
+
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = time.perf_counter() - t0
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return dt / n * 1e6
+
+
+def graph_time(make_call, bytes_one: int, device, l2_bytes: int = 50 << 20):
+    """Median ms per call of a CUDA graph that calls the kernel over R rotating layer copies, R chosen so
+    the copies together exceed twice the L2 (so INT4's working set cannot stay cached while FP16's
+    cannot); (ms, R), or (None, 0) off CUDA. make_call() builds one fresh copy and returns its call."""
+    import torch
+
+    if device.type != "cuda":
+        return None, 0
+    r = max(2, min(16, -(-2 * l2_bytes // max(bytes_one, 1))))
+    calls = [make_call() for _ in range(r)]
+    for c in calls:
+        c()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        for c in calls:
+            c()
+    med, _, _ = bench(g.replay, device)
+    return med / r, r
+
+
 def run_point(layout: str, scheme_text: str, t: int, b: int, device, copy_bw: float) -> list[dict]:
     import torch
     import torch.nn.functional as F
-    from kvquant.kernels.decode_attention import _gather_fields, decode_attention
+    from kvquant.kernels.decode_attention import _gather_fields, decode_attention, decode_attention_ref
     from kvquant.kernels.testing import make_paged_layer
 
     from kvquant.scheme import parse_scheme
@@ -131,43 +223,85 @@ def run_point(layout: str, scheme_text: str, t: int, b: int, device, copy_bw: fl
     scheme = parse_scheme(scheme_text)
     dtype = torch.float16
     bs = max(16, scheme.tokens_per_flush)
+    sink, recent = scheme.sink, scheme.window
     t = t // bs * bs
-    layer = make_paged_layer(b=b, h_kv=h_kv, d=d, sink=0, body=t, recent=0, k=str(scheme.key),
-                             v=str(scheme.value), dtype=dtype, device=device, block_size=bs, spare=0)
+    body = max(bs, (t - sink - recent) // bs * bs)
+
+    def make_layer(seed=0):
+        return make_paged_layer(b=b, h_kv=h_kv, d=d, sink=sink, body=body, recent=recent,
+                                recent_offset=3 if recent else 0, k=str(scheme.key), v=str(scheme.value),
+                                dtype=dtype, device=device, block_size=bs, spare=0, seed=seed)
+
+    layer = make_layer()
     q = torch.randn(b, h_q, 1, d, dtype=dtype, device=device)
     kc, vc = layer.key_codec, layer.value_codec
+    total = sink + body + recent
+    mask = torch.ones(1, total, dtype=torch.bool, device=device)
 
-    def dequant(which):
-        codec, pages = (kc, layer.key_pages) if which == "k" else (vc, layer.value_pages)
-        return codec.decode(_gather_fields(pages, codec, layer.body), dtype)
+    def dequant_all(lay):
+        """(B, H_kv, T, D) FP16 K and V of every part (sink | body | recent), as a dequantizing cache would."""
+        parts_k, parts_v = [], []
+        for region, pool_k, pool_v in ((lay.sink, lay.fp_k, lay.fp_v), (lay.body, None, None),
+                                       (lay.recent, lay.fp_k, lay.fp_v)):
+            if not region.length:
+                continue
+            if pool_k is None:
+                parts_k.append(kc.decode(_gather_fields(lay.key_pages, kc, region), dtype))
+                parts_v.append(vc.decode(_gather_fields(lay.value_pages, vc, region), dtype))
+            else:
+                from kvquant.kernels.decode_attention import gather_region
+                parts_k.append(gather_region(pool_k, region))
+                parts_v.append(gather_region(pool_v, region))
+        return torch.cat(parts_k, 2), torch.cat(parts_v, 2)
 
-    k, v = dequant("k"), dequant("v")  # (B, H_kv, T, D) FP16: the SDPA baseline's cache
-    fused_bytes = kc.bytes(t) * b + vc.bytes(t) * b
+    k, v = dequant_all(layer)  # the SDPA baseline's FP16 cache
+    fp_tokens = sink + recent
+    fused_bytes = (kc.bytes(body) + vc.bytes(body)) * b + 2 * b * h_kv * fp_tokens * d * 2
     fp16_bytes = 2 * k.numel() * k.element_size()
+    rec = _Recorder()
+    fused = lambda: decode_attention(q, *layer.decode_args(), None, mask, registry=rec)  # noqa: E731
+    flash, backend = sdpa_flash(q, k, v)
     methods = {
-        "fused": (lambda: decode_attention(q, *layer.decode_args()), fused_bytes),
-        "sdpa_fp16": (lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True), fp16_bytes),
-        "dequant_sdpa": (lambda: F.scaled_dot_product_attention(q, dequant("k"), dequant("v"), enable_gqa=True),
-                         fused_bytes),
+        "fused": (fused, fused_bytes, ""),
+        "sdpa_fp16": (flash, fp16_bytes, f"sdpa backend: {backend}"),
+        "dequant_sdpa": (lambda: F.scaled_dot_product_attention(q, *dequant_all(layer), enable_gqa=True),
+                         fused_bytes, ""),
     }
-    # the fused kernel must agree with the baseline before its time means anything
-    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=True)
-    got = decode_attention(q, *layer.decode_args()).transpose(1, 2).float()
-    err = (got - ref).abs().max().item()
+    # the fused kernel must agree with the fp32 reference before its time means anything
+    ref = decode_attention_ref(q, *layer.decode_args(), None, mask, upcast=True)
+    got = fused()
+    err = (got.float() - ref).abs().max().item()
     if not err < 2e-2:
         raise AssertionError(f"{layout} {scheme_text} T={t} B={b}: fused output is off by {err:.3g}")
+    split_launch, reduce_launch = rec.launches[-2], rec.launches[-1]
+    replay = lambda l: (lambda: l[0][l[1]](*l[2], **l[3]))  # noqa: E731
+    methods["fused_split_only"] = (replay(split_launch), fused_bytes, "the split kernel alone")
+    methods["fused_reduce_only"] = (replay(reduce_launch), 0, "the reduce kernel alone")
 
-    times = {name: bench(fn, device) for name, (fn, _) in methods.items()}
+    times = {name: bench(fn, device) for name, (fn, _, _) in methods.items()}
+    hosts = {name: host_us(fn, device) for name, (fn, _, _) in methods.items()}
+
+    def graph_call():
+        lay = make_layer(seed=1) if device.type == "cuda" else layer
+        return lambda: decode_attention(q, *lay.decode_args(), None, mask)
+
+    g_ms, g_r = graph_time(graph_call, fused_bytes, device)
+    if g_ms is not None:
+        times["fused_graph_rotating"] = (g_ms, g_ms, g_ms)
+        hosts["fused_graph_rotating"] = float("nan")
+        methods["fused_graph_rotating"] = (None, fused_bytes, f"CUDA graph over {g_r} rotating layer copies")
     rows = []
-    for name, (_, nb) in methods.items():
+    for name, (_, nb, note) in methods.items():
         med, p20, p80 = times[name]
         gbs = nb / (med * 1e-3) / 1e9
         rows.append(dict(
-            layout=layout, scheme=scheme_text, batch=b, context=t, method=name,
+            layout=layout, scheme=scheme_text, batch=b, context=total, method=name,
             us_median=round(med * 1e3, 2), us_p20=round(p20 * 1e3, 2), us_p80=round(p80 * 1e3, 2),
             bytes=nb, gb_s=round(gbs, 1), pct_copy_bw=round(100 * gbs / copy_bw, 1),
+            pct_peak=round(100 * gbs / PEAK_GBS, 1),
             speedup_vs_sdpa=round(times["sdpa_fp16"][0] / med, 2),
             speedup_vs_dequant=round(times["dequant_sdpa"][0] / med, 2),
+            host_us_per_call=round(hosts[name], 1), note=note,
         ))
     return rows
 

@@ -7,11 +7,12 @@
 #   benchmarks/gpu_check.sh --dry-run   # on a CPU: the same phases on tiny sizes, kernels interpreted
 #
 # Phases: env (GPU, SMs, L2, shared memory, clocks, versions, SDPA backend), report (the compiled-kernel
-# table on the device: benchmarks/kernel_report.py), tests (tests/kernels in parallel processes, no -x),
-# bench (copy bandwidth and decode benchmark: benchmarks/bench_decode.py), e2e (16 decode steps,
-# Triton vs torch tokens, recompile count). Per-phase logs, status.csv and status.json land in the
-# output folder. GPU_CHECK_PHASES="env bench" runs only those; GPU_CHECK_FAIL_PHASE=<name> makes that
-# phase fail (both to test this script).
+# table on the device, each variant's max error against its fp32 reference: benchmarks/kernel_report.py
+# --measure), tests (tests/kernels in parallel processes, no -x), bench (copy bandwidth and decode
+# benchmark: benchmarks/bench_decode.py), e2e (16 decode steps, Triton vs torch tokens, and the
+# recompile count: distinct Triton variants the generation compiled, in e2e.json). Per-phase logs,
+# status.csv and status.json land in the output folder. GPU_CHECK_PHASES="env bench" runs only those;
+# GPU_CHECK_FAIL_PHASE=<name> makes that phase fail (both to test this script).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 DRY=0
@@ -81,10 +82,13 @@ PY
 }
 
 report_phase() {
+    # --measure: each variant also run against its fp32 twin (max_err, err_bound, err_ok columns)
     if [ "$DRY" = 1 ]; then
-        "$PY" benchmarks/kernel_report.py --subset ci --csv "$OUTDIR/kernel_report.csv"
+        "$PY" benchmarks/kernel_report.py --subset ci --measure --body 128 --csv "$OUTDIR/kernel_report.csv"
     else
-        "$PY" benchmarks/kernel_report.py --csv "$OUTDIR/kernel_report.csv"
+        # the D=128 fp16 variants (the full table is compiled on the CPU: kernel_report_after.csv), so that the
+        # whole check stays within 8 minutes
+        "$PY" benchmarks/kernel_report.py --quick --measure --csv "$OUTDIR/kernel_report.csv"
     fi
 }
 
@@ -107,30 +111,46 @@ bench_phase() {
     fi
 }
 
-e2e_phase() {
+e2e_phase() {  # 16 decode steps, Triton vs torch tokens, and the variants the Triton run compiled
     "$PY" - "$SCALE" <<'PY'
-import sys, torch
+import json, os, sys, torch
 sys.path.insert(0, "tests")
-from kvquant.kernels.compiled import SpecializationCounter  # noqa: F401 (import check)
+from kvquant.kernels.compiled import SpecializationCounter
 import kvquant
 device = "cuda" if torch.cuda.is_available() else "cpu"
 from tiny_models import make_tiny_model
 model = make_tiny_model().to(device)
 ids = torch.randint(1, 1000, (2, 24), device=device)
-toks = {}
+toks, counts, calls = {}, {}, {}
 for backend in ("triton", "torch"):
     cache = kvquant.QuantizedCache("int4-g64,sink=4,window=16", model.config, backend=backend)
-    toks[backend] = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False)
+    # passthrough: every kernel launch runs as usual and its JIT cache key is recorded, so the distinct
+    # keys are the variants this generation compiled (prefill and every decode step, all layers)
+    counter = SpecializationCounter(passthrough=True)
+    with counter:
+        toks[backend] = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False)
+    counts[backend], calls[backend] = counter.counts(), dict(counter.calls)
 same = torch.equal(toks["triton"], toks["torch"])
+launched = sum(calls["triton"].values())
 print("triton == torch tokens:", same)
-sys.exit(0 if same else 1)
+print("recompiles: variants compiled by the triton run, per kernel:", counts["triton"],
+      "over", calls["triton"], "launches")
+print("torch run launched Triton kernels:", calls["torch"] or "none")
+out = {"same_tokens": same, "variants": counts["triton"], "launches": calls["triton"],
+       "torch_backend_launches": calls["torch"], "device": device}
+json.dump(out, open(os.path.join(os.environ["OUTDIR"], "e2e.json"), "w"), indent=1)
+# one variant per (parts present) of the decode kernels: a cache whose body appears mid-generation needs
+# at most 2 split variants (sink+window only, then with a body) and 1 reduce; more means recompiles
+split = counts["triton"].get("_paged_split_kernel", 0)
+ok = same and launched > 0 and split <= 2 and counts["triton"].get("_reduce_kernel", 0) <= 1
+sys.exit(0 if ok else 1)
 PY
 }
 
 export PY OUTDIR DRY SCALE
 export -f env_phase report_phase tests_phase bench_phase e2e_phase
 if [ "$DRY" = 1 ]; then L_ENV=60; L_REP=240; L_TEST=400; L_BENCH=300; L_E2E=300
-else L_ENV=60; L_REP=150; L_TEST=150; L_BENCH=150; L_E2E=60; fi
+else L_ENV=30; L_REP=120; L_TEST=120; L_BENCH=150; L_E2E=60; fi  # 480 s at most: one 8-minute call
 phase env "$L_ENV" env_phase
 phase report "$L_REP" report_phase
 phase tests "$L_TEST" tests_phase

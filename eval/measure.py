@@ -1,17 +1,23 @@
-"""Perplexity by position bucket, KL vs FP16 and top-1 agreement, for FP16 and schemes run in lockstep.
+"""Perplexity by position bucket, KL vs the reference, Δp and top-1 agreement, for the unquantized reference
+and schemes run in lockstep; per-token values for the error distributions and intervals.
 
-Two modes (every result names its mode):
-  cache  the text is fed in chunks through a real cache; each chunk attends to what earlier chunks left
-         stored (quantized K/V for kvquant's QuantizedCache), and each query sees the chunk's own tokens
-         as the cache held them when that query would have been decoded (FP inside the window, quantized
-         once flushed), so the result does not depend on the chunk size: it is what token-by-token
-         decoding sees.
-  fake   one forward over the whole text; the cache's update returns K/V quantized-and-dequantized
-         (`FakeQuantCache`), what most papers report.
+Three modes (every result names its mode):
+  cache    decode-exact: the text is fed in chunks through a real cache; each chunk attends to what earlier
+           chunks left stored (quantized K/V for kvquant's QuantizedCache), and each query sees the chunk's
+           own tokens as the cache held them when that query would have been decoded (FP inside the window,
+           quantized once flushed): what token-by-token decoding sees. In exact arithmetic the chunk size
+           does not matter; in float32 a different chunking is a different rounding (realization noise).
+  fake     one forward over the whole text; the cache's update returns K/V quantized-and-dequantized
+           (`FakeQuantCache`), so every query sees every key quantized: what most papers report.
+  prefill  serving-realistic: the first P tokens go through one forward with FP attention among themselves
+           (their predictions equal the reference's), their K/V are then stored quantized, and the
+           continuation is scored through the quantized cache in decode-exact chunks (what vLLM,
+           transformers' QuantizedCache and KIVI do at prefill).
 
-FP16 and every scheme advance chunk by chunk together, so the reference distribution of a chunk is at hand
-when a scheme's is computed: KL and top-1 are summed without ever holding a document's full logits
-(8k positions x 49k vocabulary in fp32 is 1.6 GB per run).
+The reference and every scheme advance chunk by chunk together, so the reference distribution of a chunk is
+at hand when a scheme's is computed: KL and top-1 are summed without ever holding a document's full logits
+(8k positions x 49k vocabulary in fp32 is 1.6 GB per run). The reference's last hidden states may be passed
+in (`reference_hidden`, from the run directory's reference cache) instead of recomputed.
 
 Positions: a document of L tokens gives L - 1 predictions; the prediction of token i (1 <= i < L) falls in
 the bucket [start, end) that holds i.
@@ -30,7 +36,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 import kvquant
 from kvquant.scheme import Scheme
 
-from .schemes import EvalScheme, PeerScheme, scheme_label
+from .schemes import EvalScheme, parse_eval_scheme
 
 __all__ = [
     "BUCKET_EDGES",
@@ -41,6 +47,8 @@ __all__ = [
     "FakeQuantCache",
     "make_buckets",
     "make_cache",
+    "steps",
+    "TOKEN_FIELDS",
     "evaluate_document",
     "cache_nbytes",
 ]
@@ -48,8 +56,10 @@ __all__ = [
 logger = logging.getLogger(__name__)
 
 BUCKET_EDGES = (0, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
-MODES = ("cache", "fake")
-REFERENCE = "fp16"  # label of the unquantized reference (a DynamicCache, at the run dtype)
+MODES = ("cache", "fake", "prefill")
+REFERENCE = "fp16"  # results key of the unquantized reference (a DynamicCache, at the run dtype); shown as
+# "<run dtype> (reference)", e.g. "fp32 (reference)" on the CPU
+TOKEN_FIELDS = ("nll_diff", "kl")  # per-token values kept for distributions and intervals
 LOGIT_SLICE = 1024  # positions turned into logits at once: 1024 x 49k x 4 B = 200 MB
 
 
@@ -83,12 +93,26 @@ def make_buckets(max_length: int, edges: Sequence[int] = BUCKET_EDGES) -> list[B
 
 @dataclass
 class BucketStats:
-    """Sums over the predictions of one bucket of one document, for one scheme."""
+    """Sums over the predictions of one bucket of one document, for one scheme (kvquant.eval.metrics.ROW_SUMS
+    are these), and the per-token values the distributions need."""
 
     nll: float = 0.0  # sum of -log p(token), natural log
     tokens: int = 0
-    kl: float = 0.0  # sum of KL(p_fp16 || p_scheme), nats
+    kl: float = 0.0  # sum of KL(p_ref || p_scheme), nats
     top1: int = 0  # predictions whose argmax equals the reference's
+    ref_nll: float = 0.0  # the reference's sum of -log p(token) over the same tokens
+    dp: float = 0.0  # sum of p_scheme(token) - p_ref(token)
+    dp_sq: float = 0.0  # sum of its square
+    token_parts: dict[str, list[torch.Tensor]] = field(default_factory=lambda: {f: [] for f in TOKEN_FIELDS})
+
+    def row_sums(self) -> dict[str, float]:
+        """The results.jsonl fields (metrics.ROW_SUMS)."""
+        return {"nll_sum": self.nll, "ref_nll_sum": self.ref_nll, "tokens": self.tokens, "kl_sum": self.kl,
+                "top1": self.top1, "dp_sum": self.dp, "dp_sq_sum": self.dp_sq}
+
+    def token_values(self) -> dict[str, torch.Tensor]:
+        """Per-token nll - nll_ref (float64) and KL (float32), in position order."""
+        return {f: (torch.cat(v) if v else torch.zeros(0)) for f, v in self.token_parts.items()}
 
 
 # ------------------------------------------------------------------------------------------------ caches
@@ -132,22 +156,51 @@ class FakeQuantCache(Cache):
         self.scheme = kvquant.parse_scheme(scheme)
         if config is not None:
             self.scheme.check_head_dim(kvquant.memory.KVShape.from_config(config).head_dim)
+        if self.scheme.layers:  # per-layer specs: each layer fake-quantizes with its own
+            if config is None:
+                raise ValueError(f"scheme {self.scheme} has per-layer specs: pass the model's config")
+            n = kvquant.memory.KVShape.from_config(config).num_layers
+            self.scheme.check_num_layers(n)
+            super().__init__(layers=[FakeQuantLayer(self.scheme.for_layer(i)) for i in range(n)])
+            return
         super().__init__(layer_class_to_replicate=lambda: FakeQuantLayer(self.scheme))
 
 
 def make_cache(scheme: EvalScheme | None, config, mode: str) -> Cache:
-    """The cache one run uses: None is the FP16 reference."""
+    """The cache one run uses: None is the reference (a DynamicCache; without the config in prefill mode, so
+    sliding-window layers keep every token and can be copied into a scheme's cache after the prefill)."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; known modes: {', '.join(MODES)}")
     if scheme is None:
-        return DynamicCache(config=config)
-    if isinstance(scheme, PeerScheme):
-        if mode != "cache":
-            raise ValueError("peer schemes run in cache mode only (their first update is never quantized)")
-        return scheme.make_cache(config)
+        return DynamicCache() if mode == "prefill" else DynamicCache(config=config)
+    scheme = parse_eval_scheme(scheme)
+    if mode not in scheme.modes:
+        raise ValueError(f"{scheme.label} runs in {'/'.join(scheme.modes)} mode only, not {mode}")
+    return scheme.make_cache(config, mode)
+
+
+def steps(length: int, mode: str, chunk: int, prefill: int | None = None, shift: int = 0) -> list[int]:
+    """Chunk boundaries [0, b1, ..., length]: fake one forward; prefill P tokens then `chunk` at a time;
+    cache `chunk` at a time, the first chunk `shift` tokens shorter (a different realization of the same
+    decode-exact computation: the noise floor)."""
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk} must be at least 1")
     if mode == "fake":
-        return FakeQuantCache(scheme, config)
-    return kvquant.QuantizedCache(scheme, config)
+        return [0, length]
+    first = chunk
+    if mode == "prefill":
+        if prefill is None or not 1 <= prefill < length:
+            raise ValueError(f"prefill={prefill} must be between 1 and the length - 1 ({length - 1})")
+        first = prefill
+    elif shift:
+        first = max(chunk - shift, 1)
+    out = [0]
+    pos = min(first, length)
+    while True:
+        out.append(pos)
+        if pos >= length:
+            return out
+        pos = min(pos + chunk, length)
 
 
 def _tensor_bytes(obj, seen: set[int]) -> int:
@@ -181,12 +234,13 @@ def cache_nbytes(cache: Cache) -> int:
 @dataclass
 class _Run:
     label: str
-    cache: Cache
+    cache: Cache | None
+    scheme: EvalScheme | None = None
     stats: dict[Bucket, BucketStats] = field(default_factory=dict)
     error: BaseException | None = None
 
 
-def _hidden(model, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
+def _hidden(model, ids: torch.Tensor, cache: Cache, position: int = 0) -> torch.Tensor:
     """Last hidden states (B, t, hidden) of the base model; the LM head is applied later in slices."""
     out = model.get_decoder()(input_ids=ids, cache=cache, use_cache=True)
     return out.last_hidden_state
@@ -195,9 +249,18 @@ def _hidden(model, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
 def _logprobs(model, hidden: torch.Tensor) -> torch.Tensor:
     logits = model.get_output_embeddings()(hidden).float()
     cap = getattr(model.config, "final_logit_softcapping", None)
+    if cap is None and hasattr(model.config, "get_text_config"):
+        cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     if cap:
         logits = torch.tanh(logits / cap) * cap
     return torch.log_softmax(logits, dim=-1)
+
+
+def store_prefill(cache: Cache, fp_cache: Cache) -> None:
+    """Store what an FP prefill left in `fp_cache` (a DynamicCache) into `cache`, layer by layer: the
+    scheme's cache quantizes it as it would any update (sink FP, body encoded, window FP)."""
+    for i, layer in enumerate(fp_cache.layers):
+        cache.update(layer.keys, layer.values, i)
 
 
 OnBucket = Callable[[str, Bucket, BucketStats, int, int], None]
@@ -213,11 +276,21 @@ def evaluate_document(
     mode: str = "cache",
     chunk: int = 512,
     buckets: Sequence[Bucket],
+    prefill: int | None = None,
+    shift: int = 0,
+    reference_hidden: torch.Tensor | None = None,
+    on_reference: Callable[[torch.Tensor], None] | None = None,
     on_bucket: OnBucket | None = None,
     on_error: OnError | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> dict[str, dict[Bucket, BucketStats]]:
-    """Measure one document (ids (1, L)) for the FP16 reference and every scheme, in lockstep.
+    """Measure one document (ids (1, L)) for the reference and every scheme, in lockstep.
+
+    prefill: P, the prompt length of prefill mode. shift: cache mode's first chunk is `shift` tokens shorter
+    (`steps`). reference_hidden: the reference's last hidden states (1, L, hidden) computed before with the
+    same model, tokens, dtype and chunking: the reference forward is skipped. on_reference(hidden) receives
+    the reference's hidden states (1, L, hidden) on the CPU once the document is complete, when they were
+    computed here.
 
     on_bucket(label, bucket, stats, cache_bytes, cache_tokens) is called as soon as a bucket is complete
     (the caller writes it to disk); cache_bytes is what that run's cache holds at that moment, over
@@ -227,29 +300,45 @@ def evaluate_document(
     if ids.dim() != 2 or ids.shape[0] != 1:
         raise ValueError(f"expected ids of shape (1, L), got {tuple(ids.shape)}")
     length = ids.shape[1]
-    step = length if mode == "fake" else chunk
-    if step < 1:
-        raise ValueError(f"chunk={chunk} must be at least 1")
-    runs = [_Run(REFERENCE, make_cache(None, model.config, mode))]
+    bounds = steps(length, mode, chunk, prefill, shift)
+    if reference_hidden is not None and tuple(reference_hidden.shape[:2]) != (1, length):
+        raise ValueError(f"reference_hidden {tuple(reference_hidden.shape)} does not match ids (1, {length})")
+    live_ref = reference_hidden is None
+    runs = [_Run(REFERENCE, make_cache(None, model.config, mode) if live_ref else None)]
     for s in schemes:
+        s = parse_eval_scheme(s)
         try:
-            runs.append(_Run(scheme_label(s), make_cache(s, model.config, mode)))
+            runs.append(_Run(s.label, make_cache(s, model.config, mode), s))
         except Exception as e:  # noqa: BLE001 - reported, the others go on
-            _fail(_Run(scheme_label(s), None), e, on_error)
+            _fail(_Run(s.label, None), e, on_error)
     for r in runs:
         r.stats = {b: BucketStats() for b in buckets}
     pending = list(buckets)
     targets = ids[0, 1:]
-    for start in range(0, length, step):
-        end = min(start + step, length)
+    kept: list[torch.Tensor] = []
+    for start, end in zip(bounds, bounds[1:], strict=False):
         piece = ids[:, start:end]
         hiddens: dict[str, torch.Tensor] = {}
-        for r in list(runs):
+        if live_ref:
+            hiddens[REFERENCE] = _hidden(model, piece, runs[0].cache)
+            if on_reference is not None:
+                kept.append(hiddens[REFERENCE].detach().to("cpu", copy=True))
+        else:
+            hiddens[REFERENCE] = reference_hidden[:, start:end].to(ids.device)
+        first_prefill = mode == "prefill" and start == 0
+        for r in list(runs[1:]):
             try:
-                hiddens[r.label] = _hidden(model, piece, r.cache)
+                if first_prefill:
+                    # FP attention among the prompt's tokens, then stored quantized
+                    if live_ref:
+                        fp_cache, hiddens[r.label] = runs[0].cache, hiddens[REFERENCE]
+                    else:
+                        fp_cache = make_cache(None, model.config, mode)
+                        hiddens[r.label] = _hidden(model, piece, fp_cache)
+                    store_prefill(r.cache, fp_cache)
+                else:
+                    hiddens[r.label] = _hidden(model, piece, r.cache)
             except Exception as e:  # noqa: BLE001
-                if r.label == REFERENCE:
-                    raise
                 _fail(r, e, on_error)
                 runs.remove(r)
         # predictions at positions start..end-1 target tokens start+1..end (the last one has none)
@@ -257,10 +346,11 @@ def evaluate_document(
         for s0 in range(0, n_pred, LOGIT_SLICE):
             s1 = min(s0 + LOGIT_SLICE, n_pred)
             tgt = targets[start + s0 : start + s1]  # token positions start+s0+1 .. start+s1
-            pos = torch.arange(start + s0 + 1, start + s1 + 1)
+            pos = torch.arange(start + s0 + 1, start + s1 + 1, device=tgt.device)
             ref_lp = _logprobs(model, hiddens[REFERENCE][0, s0:s1])
             ref_top = ref_lp.argmax(-1)
             ref_p = ref_lp.exp()
+            ref_nll = -ref_lp.gather(-1, tgt[:, None])[:, 0].double()
             for r in runs:
                 lp = ref_lp if r.label == REFERENCE else _logprobs(model, hiddens[r.label][0, s0:s1])
                 nll = -lp.gather(-1, tgt[:, None])[:, 0].double()
@@ -270,23 +360,34 @@ def evaluate_document(
                 else:
                     kl = (ref_p * (ref_lp - lp)).sum(-1).double().clamp_min(0)
                     agree = lp.argmax(-1) == ref_top
+                dp = torch.exp(-nll) - torch.exp(-ref_nll)
                 for b in buckets:
                     m = (pos >= max(b.start, 1)) & (pos < b.end)
                     if m.any():
                         st = r.stats[b]
                         st.nll += float(nll[m].sum())
+                        st.ref_nll += float(ref_nll[m].sum())
                         st.kl += float(kl[m].sum())
                         st.top1 += int(agree[m].sum())
+                        st.dp += float(dp[m].sum())
+                        st.dp_sq += float((dp[m] ** 2).sum())
                         st.tokens += int(m.sum())
+                        st.token_parts["nll_diff"].append((nll[m] - ref_nll[m]).cpu())
+                        st.token_parts["kl"].append(kl[m].float().cpu())
         done = [b for b in pending if b.end <= end + 1 or end == length]
         for b in done:
             pending.remove(b)
             if on_bucket is not None:
                 for r in runs:
-                    on_bucket(r.label, b, r.stats[b], cache_nbytes(r.cache), r.cache.get_seq_length())
+                    if r.cache is None:  # the reference read from the reference cache holds nothing
+                        on_bucket(r.label, b, r.stats[b], None, None)
+                    else:
+                        on_bucket(r.label, b, r.stats[b], cache_nbytes(r.cache), r.cache.get_seq_length())
         if progress is not None:
             progress(end - start)
         del hiddens
+    if kept and on_reference is not None:
+        on_reference(torch.cat(kept, dim=1))
     return {r.label: r.stats for r in runs}
 
 

@@ -1,6 +1,8 @@
 """One evaluation run: check the inputs, pick documents, measure in lockstep, write the run directory.
 
-`run(config)` is what `experiments/run.py` calls; tests call it with a model object.
+`run(config)` is what `experiments/run.py` calls; tests call it with a model object. The cheap checks
+(schemes, paths, values) live in `kvquant.eval.config`, which imports nothing heavy; this module imports
+torch and transformers.
 """
 
 from __future__ import annotations
@@ -15,24 +17,49 @@ import random
 import shutil
 import subprocess
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 import kvquant
-from kvquant.scheme import Scheme, SchemeError
+from kvquant.scheme import SchemeError
 
 from . import results as res
-from .data import load_corpus
-from .measure import MODES, REFERENCE, cache_nbytes, evaluate_document, make_buckets  # noqa: F401
-from .schemes import EvalScheme, PeerScheme, parse_eval_scheme, scheme_label
+from .config import (
+    DEFAULT_CHUNK,
+    DEFAULT_DOCS,
+    DEFAULT_MAX_LENGTH,
+    DTYPE_NAMES,
+    KV_DTYPE_BYTES,
+    Progress,
+    RunConfig,
+    RunError,
+    RunInterrupted,
+    check_inputs,
+    resolve_schemes,
+)
+from .data import CorpusError, Document, load_corpus
+from .measure import (  # noqa: F401
+    MODES,
+    REFERENCE,
+    Bucket,
+    cache_nbytes,
+    evaluate_document,
+    make_buckets,
+    steps,
+)
+from .refcache import ReferenceCache
+from .schemes import EvalScheme, scheme_label
 
 __all__ = [
     "RunConfig",
     "RunError",
+    "RunInterrupted",
+    "Progress",
     "run",
     "resolve_schemes",
+    "check_device",
     "DEFAULT_DOCS",
     "DEFAULT_CHUNK",
     "DEFAULT_MAX_LENGTH",
@@ -40,69 +67,32 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_LENGTH = 8192
-DEFAULT_CHUNK = 1024
-DEFAULT_DOCS = 2
-DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-}
+DTYPES: dict[str, torch.dtype] = {alias: getattr(torch, name) for alias, name in DTYPE_NAMES.items()}
+Point = tuple[str, str, int, str]  # (scheme label, mode, document id, bucket label), as ResultsFile keys rows
 
 
-class RunError(ValueError):
-    """Bad input, found before any long work."""
-
-
-@dataclass(frozen=True)
-class RunConfig:
-    schemes: tuple[str, ...]
-    model: str | None = None  # None: the embedded default
-    corpus: str = "wikipedia"
-    mode: str = "cache"  # cache | fake | both
-    max_length: int = DEFAULT_MAX_LENGTH
-    chunk: int = DEFAULT_CHUNK
-    docs: int | None = None
-    tokens: int | None = None
-    seed: int = 0
-    device: str = "cpu"
-    dtype: str = "float32"
-    out: str | None = None
-    force: bool = False
-    wandb: str = "disabled"
-    extra: dict = field(default_factory=dict, compare=False)
-
-    @property
-    def modes(self) -> tuple[str, ...]:
-        return MODES if self.mode == "both" else (self.mode,)
-
-
-def resolve_schemes(names) -> list[EvalScheme]:
-    """Parse and de-duplicate; unknown names raise RunError with the known ones."""
-    out, seen = [], set()
-    for n in names:
-        try:
-            s = parse_eval_scheme(n)
-        except SchemeError as e:
-            raise RunError(str(e)) from None
-        if isinstance(s, PeerScheme):
-            try:
-                s.check_available()
-            except SchemeError as e:
-                raise RunError(str(e)) from None
-        if scheme_label(s) not in seen:
-            seen.add(scheme_label(s))
-            out.append(s)
-    return out
+def check_device(device: str) -> None:
+    """Refuse a device this torch cannot use, naming the fix (never fall back silently)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise RunError(
+                f"--device {device}: torch {torch.__version__} sees no CUDA device; use --device cpu"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise RunError(
+                f"--device {device}: only {torch.cuda.device_count()} CUDA device(s); use cuda:0 .. "
+                f"cuda:{torch.cuda.device_count() - 1}"
+            )
+    elif dev.type == "mps" and not torch.backends.mps.is_available():
+        raise RunError(f"--device {device}: MPS is not available here; use --device cpu")
+    elif dev.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
+        raise RunError(f"--device {device}: no XPU device is available; use --device cpu")
 
 
 def _versions(schemes) -> dict[str, str]:
-    names = ["torch", "transformers", "datasets", "kvquant"] + sorted(
-        {s.package for s in schemes if isinstance(s, PeerScheme)}
-    )
+    extra = sorted({s.package for s in schemes if s.package})
+    names = ["torch", "transformers", "datasets", "kvquant", *extra]
     out = {}
     for n in names:
         try:
@@ -126,7 +116,16 @@ def _git_commit() -> str | None:
         return None
 
 
-def _identity(config: RunConfig, labels: list[str], doc_ids: list[int], model_name: str) -> dict:
+def _own_chunks(config: RunConfig, schemes) -> dict[str, int]:
+    """Schemes that run in cache mode at a chunk other than config.chunk (a peer's default, 128)."""
+    if "cache" not in config.modes:
+        return {}
+    return {s.label: config.chunk_for(s) for s in schemes if config.chunk_for(s) != config.chunk}
+
+
+def _identity(
+    config: RunConfig, labels: list[str], doc_ids: list[int], model_name: str, schemes=()
+) -> dict:
     """What decides the numbers: two runs with equal identities may share a directory."""
     return {
         "schemes": labels,
@@ -135,9 +134,11 @@ def _identity(config: RunConfig, labels: list[str], doc_ids: list[int], model_na
         "modes": list(config.modes),
         "max_length": config.max_length,
         "chunk": config.chunk,
+        **({"chunks": chunks} if (chunks := _own_chunks(config, schemes)) else {}),
         "docs": doc_ids,
         "seed": config.seed,
-        "dtype": str(DTYPES[config.dtype]).removeprefix("torch."),
+        "dtype": config.dtype_name,
+        **({"prefill": config.prefill_length} if "prefill" in config.modes else {}),
     }
 
 
@@ -163,22 +164,38 @@ def _load_model(config: RunConfig, model=None, tokenizer=None):
         return model, tokenizer, name
     try:
         model, tokenizer = kvquant.load_model(config.model, dtype=DTYPES[config.dtype], device=config.device)
-    except (FileNotFoundError, ValueError) as e:
-        raise RunError(str(e)) from None
+    except (OSError, ValueError) as e:  # a folder whose files transformers cannot read
+        raise RunError(f"cannot load model {config.model or '(default)'}: {e}") from None
     name = config.model or "smollm2-135m-instruct (embedded default)"
     return model, tokenizer, name
 
 
-def _select_documents(config: RunConfig, tokenizer) -> tuple[list[int], dict[int, list[int]], list[str]]:
-    """Document ids (corpus order index) long enough to fill max_length, seeded order, budget applied."""
-    from .data import CorpusError
+def _check_model_fits(config: RunConfig, model, schemes: list[EvalScheme]):
+    """The length within the model's positions and every group size dividing its head_dim; the KV shape."""
+    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    max_pos = getattr(text_cfg, "max_position_embeddings", None)
+    if max_pos is not None and config.max_length > max_pos:
+        raise RunError(f"--max-length {config.max_length} is beyond the model's {max_pos} positions")
+    shape = kvquant.memory.KVShape.from_config(model.config)
+    for s in schemes:
+        try:
+            s.check(shape)
+        except SchemeError as e:
+            raise RunError(f"scheme {s}: {e}") from None
+    return shape
 
+
+def _load_documents(config: RunConfig) -> list[Document]:
     try:
-        docs = load_corpus(config.corpus)
+        return load_corpus(config.corpus)
     except CorpusError as e:
         raise RunError(str(e)) from None
-    if config.docs is not None and config.docs < 1 or config.tokens is not None and config.tokens < 1:
-        raise RunError("--docs and --tokens must be positive")
+
+
+def _select_documents(
+    config: RunConfig, docs: list[Document], tokenizer
+) -> tuple[list[int], dict[int, list[int]], list[str]]:
+    """Document ids (corpus order index) long enough to fill max_length, seeded order, budget applied."""
     want = config.docs
     if want is None and config.tokens is not None:
         want = math.ceil(config.tokens / config.max_length)
@@ -241,39 +258,87 @@ def _diff(a: dict, b: dict) -> str:
     return "; ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys) or "unknown"
 
 
-def run(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[dict]]:
-    """Run (or resume) an evaluation; returns (run directory, summary rows)."""
-    from tqdm.auto import tqdm
+# ------------------------------------------------------------------------------------- points and progress
 
-    if config.mode not in (*MODES, "both"):
-        raise RunError(f"unknown mode {config.mode!r}; known: cache, fake, both")
-    if config.dtype not in DTYPES:
-        raise RunError(f"unknown dtype {config.dtype!r}; known: {', '.join(DTYPES)}")
-    if config.chunk < 1:
-        raise RunError(f"--chunk {config.chunk} must be at least 1")
-    schemes = resolve_schemes(config.schemes)
-    if not schemes:
-        raise RunError("name at least one scheme (--scheme int4-g64); see --list-schemes")
-    model, tokenizer, model_name = _load_model(config, model, tokenizer)
-    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    max_pos = getattr(text_cfg, "max_position_embeddings", None)
-    if max_pos is not None and config.max_length > max_pos:
-        raise RunError(f"--max-length {config.max_length} is beyond the model's {max_pos} positions")
-    shape = kvquant.memory.KVShape.from_config(model.config)
-    for s in schemes:
-        if isinstance(s, Scheme):
-            try:
-                s.check_head_dim(shape.head_dim)
-            except SchemeError as e:
-                raise RunError(f"scheme {s}: {e}") from None
-    doc_ids, doc_tokens, titles = _select_documents(config, tokenizer)
-    labels = [scheme_label(s) for s in schemes]
-    identity = _identity(config, labels, doc_ids, model_name)
-    run_dir = run_dir_for(config, identity)
-    buckets = make_buckets(config.max_length)
-    config_json = {
+
+def _runs_in(mode: str, schemes: list[EvalScheme]) -> list[EvalScheme]:
+    """The schemes measured in `mode` (each says which modes it supports; peers: cache only)."""
+    base = mode.removesuffix("-shift")
+    return [s for s in schemes if base in s.modes]
+
+
+def expected_points(
+    modes: Iterable[str], schemes: list[EvalScheme], doc_ids: list[int], buckets: list[Bucket]
+) -> list[Point]:
+    """Every point a complete run measures: the reference and each scheme, per mode, document and bucket."""
+    return [
+        (label, mode, doc, b.label)
+        for mode in modes
+        for doc in doc_ids
+        for label in [REFERENCE, *(scheme_label(s) for s in _runs_in(mode, schemes))]
+        for b in buckets
+    ]
+
+
+def progress_of(results: res.ResultsFile, points: list[Point]) -> Progress:
+    """Points measured, and points that will not be because their scheme failed in that mode."""
+    failed_runs = {(r["scheme"], r["mode"]) for r in results.rows if r.get("status") == "failed"}
+    measured = sum(results.has(*p) for p in points)
+    failed = sum(not results.has(*p) and (p[0], p[1]) in failed_runs for p in points)
+    return Progress(measured, len(points), failed)
+
+
+def _announce(run_dir: Path, results: res.ResultsFile, points: list[Point], titles: dict[int, str]) -> None:
+    """Say what is already measured and what will be (logged; the CLI shows it)."""
+    done = progress_of(results, points)
+    todo = [p for p in points if not results.has(*p)]
+    if not done.measured:
+        logger.info("measuring %d points into %s", len(points), run_dir)
+        return
+    if not todo:
+        logger.info("resuming: %s already measured in %s; nothing left to measure", done, run_dir)
+        return
+    docs = {mode: sorted({p[2] for p in todo if p[1] == mode}) for mode in dict.fromkeys(p[1] for p in todo)}
+    where = "; ".join(
+        f"{mode}: " + ", ".join(f"doc {d} ({titles.get(d, '?')})" for d in ds) for mode, ds in docs.items()
+    )
+    measured_docs = {(p[1], p[2]) for p in points if results.has(*p)}
+    cut_off = {(p[1], p[2]) for p in todo} & measured_docs
+    logger.info(
+        "resuming: %s already measured in %s; %d to measure in %d document(s) (%s); %d of them were cut off "
+        "and are recomputed from their first token; measured points are kept, not written twice",
+        done,
+        run_dir,
+        len(todo),
+        sum(len(ds) for ds in docs.values()),
+        where,
+        len(cut_off),
+    )
+
+
+# ------------------------------------------------------------------------------------------------- run
+
+
+_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
+
+
+def display_names(schemes: list[EvalScheme], dtype_name: str | None = None) -> dict[str, str]:
+    """Result label -> what plots and tables show: the preset name where one was used (`kivi-2`), and the
+    reference named for what it is: `fp32 (reference)` when it computes in float32, `fp16` in float16."""
+    names = {s.label: s.name for s in schemes}
+    if dtype_name is not None:
+        short = _SHORT.get(dtype_name, dtype_name)
+        names[REFERENCE] = short if short == "fp16" else f"{short} (reference)"
+    return names
+
+
+def _config_json(
+    config: RunConfig, identity: dict, schemes, model_name: str, buckets, documents, shape
+) -> dict:
+    return {
         "identity": identity,
-        "schemes": labels,
+        "schemes": identity["schemes"],
+        "scheme_names": display_names(schemes, identity["dtype"]),
         "reference": REFERENCE,
         "model": model_name,
         "corpus": config.corpus,
@@ -281,25 +346,92 @@ def run(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[di
         "chunk": config.chunk,
         "max_length": config.max_length,
         "buckets": [b.label for b in buckets],
-        "documents": [
-            {"id": i, "title": t, "tokens": len(doc_tokens[i])} for i, t in zip(doc_ids, titles, strict=True)
-        ],
+        "documents": documents,
         "seed": config.seed,
         "device": config.device,
         "dtype": identity["dtype"],
+        "kv_dtype": config.kv_dtype_name,
+        "prefill": config.prefill_length if "prefill" in config.modes else None,
+        "noise_floor": config.noise_floor,
         "kv_shape": dataclasses.asdict(shape),
         "versions": _versions(schemes),
         "git_commit": _git_commit(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
     }
+
+
+def _warn_key_offsets(model, schemes) -> None:
+    """Once per scheme: a warning (with a recommended scheme) when it quantizes keys per token although this
+    model's keys carry large per-channel offsets (`kvquant.diagnose`; one 256-token probe, only if a scheme
+    is at risk)."""
+    from kvquant.diagnose import OffsetWarner
+
+    warner = OffsetWarner()
+    for s in schemes:
+        scheme = getattr(s, "scheme", None)
+        if isinstance(scheme, kvquant.Scheme):
+            warner(model, scheme)
+
+
+def run(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[dict]]:
+    """Run (or resume) an evaluation; returns (run directory, summary rows).
+
+    Raises RunError for bad input, before any long work. On Ctrl-C, everything measured is written
+    (results.jsonl, summary.csv, report.md and plots, the last two marked partial) and RunInterrupted
+    (a KeyboardInterrupt) is raised. --task passkey|needle runs `retrieval.run_retrieval` instead."""
+    if config.is_retrieval:
+        from .retrieval import run_retrieval
+
+        return run_retrieval(config, model=model, tokenizer=tokenizer)
+    schemes = check_inputs(config, check_model=model is None)
+    if model is None:
+        check_device(config.device)
+    docs = _load_documents(config)
+    model, tokenizer, model_name = _load_model(config, model, tokenizer)
+    shape = _check_model_fits(config, model, schemes)
+    _warn_key_offsets(model, schemes)
+    doc_ids, doc_tokens, titles = _select_documents(config, docs, tokenizer)
+    identity = _identity(config, [scheme_label(s) for s in schemes], doc_ids, model_name, schemes)
+    run_dir = run_dir_for(config, identity)
+    buckets = make_buckets(config.max_length)
+    documents = [
+        {"id": i, "title": t, "tokens": len(doc_tokens[i])} for i, t in zip(doc_ids, titles, strict=True)
+    ]
+    config_json = _config_json(config, identity, schemes, model_name, buckets, documents, shape)
     _prepare_dir(run_dir, config_json, identity, config.force)
     results = res.ResultsFile(run_dir / "results.jsonl")
+    points = expected_points(config.modes, schemes, doc_ids, buckets)
+    _announce(run_dir, results, points, dict(zip(doc_ids, titles, strict=True)))
     torch.manual_seed(config.seed)
-    device = next(model.parameters()).device
+    interrupted = False
+    t0 = time.perf_counter()
+    try:
+        _measure(config, model, schemes, doc_ids, doc_tokens, buckets, results, run_dir)
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        logger.info("measured in %.1f s", time.perf_counter() - t0)
+        progress = progress_of(results, points)
+        summary = _write_outputs(run_dir, results.rows, schemes, model.config, config, config_json, progress)
+    if interrupted:
+        raise RunInterrupted(run_dir, progress)
+    return run_dir, summary
 
-    total_steps = len(config.modes) * len(doc_ids) * config.max_length
+
+def _measure(
+    config: RunConfig, model, schemes, doc_ids, doc_tokens, buckets, results: res.ResultsFile, run_dir: Path
+) -> None:
+    """Every mode and document in turn. A document with a missing point is measured from its first token
+    (the reference and the schemes lacking points, in lockstep); only missing points are written. The
+    reference's hidden states come from the reference cache when it holds them."""
+    from tqdm.auto import tqdm
+
+    device = next(model.parameters()).device
+    dtype = next(model.parameters()).dtype
+    refs = ReferenceCache(model=model) if config.reference_cache else None
+    tokens = res.TokenStore(run_dir / "tokens")
     bar = tqdm(
-        total=total_steps,
+        total=len(config.modes) * len(doc_ids) * config.max_length,
         desc="tokens (all modes, docs, schemes in lockstep)",
         unit="tok",
         dynamic_ncols=True,
@@ -307,19 +439,11 @@ def run(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[di
     failed: dict[tuple[str, str], str] = {}
     try:
         for mode in config.modes:
-            mode_schemes = [s for s in schemes if not (isinstance(s, PeerScheme) and mode != "cache")]
-            for s in schemes:
-                if s not in mode_schemes and not results.has(scheme_label(s), mode, -1, "skipped"):
-                    results.append(
-                        {
-                            "scheme": scheme_label(s),
-                            "mode": mode,
-                            "doc": -1,
-                            "bucket": "skipped",
-                            "status": "skipped",
-                            "error": "peer schemes run in cache mode only",
-                        }
-                    )
+            base = mode.removesuffix("-shift")
+            shift = config.chunk // 2 if mode.endswith("-shift") else 0
+            prefill = config.prefill_length if base == "prefill" else None
+            mode_schemes = _runs_in(mode, schemes)
+            _record_skipped(results, mode, [s for s in schemes if s not in mode_schemes])
             for doc in tqdm(doc_ids, desc=f"documents ({mode})", leave=False, dynamic_ncols=True):
                 todo = [
                     s
@@ -331,96 +455,222 @@ def run(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[di
                     bar.update(config.max_length)
                     continue
                 ids = torch.tensor([doc_tokens[doc]], dtype=torch.long, device=device)
-
-                def on_bucket(label, bucket, st, nbytes, ntok, mode=mode, doc=doc):
-                    if results.has(label, mode, doc, bucket.label):
-                        return
-                    results.append(
-                        {
-                            "scheme": label,
-                            "mode": mode,
-                            "doc": doc,
-                            "bucket": bucket.label,
-                            "bucket_start": bucket.start,
-                            "bucket_end": bucket.end,
-                            "nll_sum": st.nll,
-                            "tokens": st.tokens,
-                            "kl_sum": st.kl,
-                            "top1": st.top1,
-                            "cache_bytes": nbytes,
-                            "cache_tokens": ntok,
-                            "status": "ok",
-                        }
+                # schemes with their own default chunk (peers: 128) run in their own lockstep, beside a
+                # reference chunked alike (its KL partner; its results.jsonl rows come from the first group)
+                for n, (chunk, group) in enumerate(_chunk_groups(config, base, todo)):
+                    ref_hidden, key = None, None
+                    if refs is not None:
+                        key = refs.key(ids, dtype, steps(ids.shape[1], base, chunk, prefill, shift))
+                        ref_hidden = refs.load(key)
+                        if ref_hidden is not None:
+                            logger.info("reference of doc %d (%s) read from the reference cache", doc, mode)
+                    evaluate_document(
+                        model,
+                        ids,
+                        group,
+                        mode=base,
+                        chunk=chunk,
+                        buckets=buckets,
+                        prefill=prefill,
+                        shift=shift if chunk == config.chunk else chunk // 2 if shift else 0,
+                        reference_hidden=ref_hidden,
+                        on_reference=(lambda h, key=key: refs.save(key, h)) if refs is not None else None,
+                        on_bucket=_bucket_writer(results, tokens, mode, doc),
+                        on_error=_error_writer(results, failed, mode, doc),
+                        progress=bar.update if n == 0 else None,
                     )
-
-                def on_error(label, e, mode=mode, doc=doc):
-                    failed[(label, mode)] = f"{type(e).__name__}: {e}"
-                    results.append(
-                        {
-                            "scheme": label,
-                            "mode": mode,
-                            "doc": doc,
-                            "bucket": None,
-                            "status": "failed",
-                            "error": failed[(label, mode)],
-                        }
-                    )
-
-                evaluate_document(
-                    model,
-                    ids,
-                    todo,
-                    mode=mode,
-                    chunk=config.chunk,
-                    buckets=buckets,
-                    on_bucket=on_bucket,
-                    on_error=on_error,
-                    progress=bar.update,
-                )
     finally:
         bar.close()
-        _write_outputs(run_dir, results.rows, schemes, model.config, DTYPES[config.dtype], config_json)
-    summary = _summary(results.rows, schemes, model.config, DTYPES[config.dtype])
-    return run_dir, summary
 
 
-def _summary(rows, schemes, model_config, dtype) -> list[dict]:
-    shape = kvquant.memory.KVShape.from_config(model_config)
-    dbytes = torch.empty((), dtype=dtype).element_size()
-    formula = {REFERENCE: float(kvquant.memory.fp16_bytes_per_token(shape, dtype))}
-    for s in schemes:
-        formula[scheme_label(s)] = (
-            s.bytes_per_token(shape, dbytes)
-            if isinstance(s, PeerScheme)
-            else kvquant.memory.bytes_per_token(shape, s, dtype)
+def _chunk_groups(config: RunConfig, mode: str, todo: list[EvalScheme]) -> list[tuple[int, list[EvalScheme]]]:
+    """(chunk, schemes) in cache mode, config.chunk's group first (it also writes the reference, even with no
+    scheme of its own left to measure); one group at config.chunk in the other modes."""
+    if mode != "cache":
+        return [(config.chunk, todo)]
+    groups: dict[int, list[EvalScheme]] = {config.chunk: []}
+    for s in todo:
+        groups.setdefault(config.chunk_for(s), []).append(s)
+    return [(c, g) for c, g in groups.items() if g or c == config.chunk]
+
+
+def _record_skipped(results: res.ResultsFile, mode: str, skipped: list[EvalScheme]) -> None:
+    for s in skipped:
+        if not results.has(scheme_label(s), mode, -1, "skipped"):
+            results.append(
+                {
+                    "scheme": scheme_label(s),
+                    "mode": mode,
+                    "doc": -1,
+                    "bucket": "skipped",
+                    "status": "skipped",
+                    "error": f"{s.label} runs in {'/'.join(s.modes)} mode only",
+                }
+            )
+
+
+def _bucket_writer(results: res.ResultsFile, tokens: res.TokenStore, mode: str, doc: int):
+    """evaluate_document's on_bucket: the point's per-token values, then one results.jsonl line per bucket
+    not yet measured."""
+
+    def on_bucket(label, bucket, st, nbytes, ntok):
+        if results.has(label, mode, doc, bucket.label):
+            return
+        if label != REFERENCE:
+            tokens.write(label, mode, doc, bucket.label, {k: v.numpy() for k, v in st.token_values().items()})
+        results.append(
+            {
+                "scheme": label,
+                "mode": mode,
+                "doc": doc,
+                "bucket": bucket.label,
+                "bucket_start": bucket.start,
+                "bucket_end": bucket.end,
+                **st.row_sums(),
+                "cache_bytes": nbytes,
+                "cache_tokens": ntok,
+                "status": "ok",
+            }
         )
+
+    return on_bucket
+
+
+def _error_writer(results: res.ResultsFile, failed: dict[tuple[str, str], str], mode: str, doc: int):
+    """evaluate_document's on_error: the scheme is recorded as failed and skipped for the rest of the run."""
+
+    def on_error(label, e):
+        failed[(label, mode)] = f"{type(e).__name__}: {e}"
+        results.append(
+            {
+                "scheme": label,
+                "mode": mode,
+                "doc": doc,
+                "bucket": None,
+                "status": "failed",
+                "error": failed[(label, mode)],
+            }
+        )
+
+    return on_error
+
+
+# ------------------------------------------------------------------------------------------------ outputs
+
+
+def memory_of(schemes, model_config, kv_dtype: str) -> dict[str, res.Memory]:
+    """Bytes at the storage dtype for the reference and every scheme (each through its protocol)."""
+    shape = kvquant.memory.KVShape.from_config(model_config)
+    dbytes = KV_DTYPE_BYTES[kv_dtype]
     values = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
-    return res.summarize(rows, formula, formula[REFERENCE], values, REFERENCE)
+    fp = float(kvquant.memory.fp16_bytes_per_token(shape, dbytes))
+    out = {REFERENCE: res.Memory(fp, lambda n: _fp_held(model_config, n, dbytes), values)}
+    for s in schemes:
+        out[scheme_label(s)] = res.Memory(
+            s.bytes_per_token(shape, dbytes), lambda n, s=s: s.held_bytes(model_config, n, dbytes), values
+        )
+    return out
 
 
-def _write_outputs(run_dir: Path, rows, schemes, model_config, dtype, config_json) -> None:
-    """summary.csv, report.md and plots from everything results.jsonl holds (also after an interruption)."""
-    summary = _summary(rows, schemes, model_config, dtype)
+def _fp_held(model_config, n: int, dbytes: int) -> float:
+    """The unquantized cache after n tokens: full layers hold n tokens, sliding-window layers their window."""
+    shape = kvquant.memory.KVShape.from_config(model_config)
+    per = 2 * shape.num_kv_heads * shape.head_dim * dbytes
+    return float(sum(per * min(n, shape.window_of(i) or n) for i in range(shape.num_layers)))
+
+
+def _summary(rows, schemes, model_config, config: RunConfig, run_dir: Path | None = None) -> list[dict]:
+    tokens = res.TokenStore(run_dir / "tokens") if run_dir is not None else None
+    return res.summarize(
+        rows, memory_of(schemes, model_config, config.kv_dtype_name), REFERENCE, tokens, seed=config.seed
+    )
+
+
+def plot_info(config_json: dict, progress: Progress | None = None) -> res.PlotInfo:
+    """What the plots' titles say, from config.json (so a PNG stands alone)."""
+    model = config_json["model"].removesuffix(" (embedded default)")
+    return res.PlotInfo(
+        model=Path(model).name or model,
+        corpus=Path(config_json["corpus"]).name or config_json["corpus"],
+        documents=len(config_json["documents"]),
+        max_length=config_json["max_length"],
+        dtype=config_json["dtype"],
+        chunk=config_json["chunk"],
+        names=config_json.get("scheme_names", {}),
+        partial=None if progress is None or progress.complete else str(progress),
+        kv_dtype=config_json.get("kv_dtype", "float16"),
+    )
+
+
+INT8_TARGET = 0.001  # the int8 target: every bucket's drift interval within +-0.1%
+
+
+def _targets(summary: list[dict], names: dict, bound: float = INT8_TARGET) -> list[str]:
+    """Per scheme and mode: in how many buckets the drift interval lies within +-bound."""
+    from . import metrics
+
+    lines = []
+    for mode in dict.fromkeys(r["mode"] for r in summary):
+        for scheme in dict.fromkeys(r["scheme"] for r in summary if r["mode"] == mode):
+            if scheme == REFERENCE:
+                continue
+            rows = [r for r in summary
+                    if r["mode"] == mode and r["scheme"] == scheme and r["bucket"] != "all"]
+            verdicts = [metrics.within(r, "drift", bound) for r in rows]
+            judged = [v for v in verdicts if v is not None]
+            if judged:
+                lines.append(f"- `{names.get(scheme, scheme)}` ({mode}): drift interval within "
+                             f"±{100 * bound:.1f}% in {sum(judged)} of {len(rows)} buckets")
+    return lines
+
+
+def _write_outputs(
+    run_dir: Path, rows, schemes, model_config, config: RunConfig, config_json: dict, progress: Progress
+) -> list[dict]:
+    """summary.csv, report.md and plots from everything results.jsonl holds (also after an interruption,
+    then marked partial)."""
+    summary = _summary(rows, schemes, model_config, config, run_dir)
     res.write_summary(run_dir / "summary.csv", summary)
-    table = res.markdown_table(summary)
+    info = plot_info(config_json, progress)
+    names = config_json.get("scheme_names", {})
+    ref_name = names.get(REFERENCE, REFERENCE)
+    scheme_list = ", ".join(
+        f"`{names[s]}` (`{s}`)" if names.get(s, s) != s else f"`{s}`" for s in config_json["schemes"]
+    )
+    partial = (
+        [f"**partial: {progress} measured** (interrupted; rerun the same command to resume)", ""]
+        if info.partial
+        else []
+    )
+    kv = config_json.get("kv_dtype", "float16")
+    prefill = f"; prefill P = {config_json['prefill']:,}" if config_json.get("prefill") else ""
     report = [
         f"# kvquant evaluation: {config_json['model']} on {config_json['corpus']}",
         "",
-        f"- schemes: {', '.join(f'`{s}`' for s in config_json['schemes'])} (reference `fp16`: unquantized, "
+        *partial,
+        f"- schemes: {scheme_list} (reference `{ref_name}`: unquantized, computing in "
         f"{config_json['dtype']})",
         f"- mode(s): {config_json['mode']}; chunk {config_json['chunk']}; "
-        f"max length {config_json['max_length']}; "
+        f"max length {config_json['max_length']}{prefill}; "
         f"{len(config_json['documents'])} documents",
+        f"- bytes at {kv} K/V storage (--kv-dtype), whatever dtype the model computes in",
+        f"- points measured: {progress}"
+        + (f" ({progress.failed} not measured: scheme failed)" if progress.failed else ""),
         f"- git {config_json['git_commit']}; "
         + ", ".join(f"{k} {v}" for k, v in config_json["versions"].items()),
         "",
-        "drift = ppl / ppl_fp16 - 1 over the same tokens; KL = mean KL(p_fp16 || p_scheme) per token; "
-        "top-1 = share of positions whose argmax matches FP16; B/token = cache bytes per token at the run "
-        "dtype (measured in cache mode at the full length, formula in fake mode); saving = FP16 bytes / "
-        "scheme bytes.",
+        "drift = ppl / ppl_ref - 1 over the same tokens, with a 95% bootstrap interval (documents, then "
+        "tokens); KL = mean KL(p_ref || p_scheme) per token; same top-1 = share of positions whose argmax "
+        f"matches the reference; B/token = bytes held at the full length per token at {kv} (pages counted; "
+        "cache.nbytes() at the run dtype is in summary.csv as bytes_per_token_measured); saving = reference "
+        "bytes / scheme bytes at that dtype. Modes: cache = decode-exact, fake = K/V quantized inside one "
+        "forward, prefill = FP prompt stored quantized, continuation decoded.",
         "",
-        table,
-        res.known_shapes_table(schemes),
+        res.markdown_table(summary, names, kv),
+        *_targets(summary, names),
+        "",
+        res.distribution_table(summary, names),
+        res.known_shapes_table(schemes, kv_dtype=kv),
         "",
         "![drift vs length](drift_vs_length.png)",
         "",
@@ -430,6 +680,7 @@ def _write_outputs(run_dir: Path, rows, schemes, model_config, dtype, config_jso
     (run_dir / "report.md").write_text("\n".join(report), encoding="utf-8")
     if summary:
         try:
-            res.write_plots(run_dir, summary)
+            res.write_plots(run_dir, summary, info)
         except Exception as e:  # noqa: BLE001 - a plotting failure never loses results
             logger.warning("plots not written: %s", e)
+    return summary

@@ -3,7 +3,7 @@
 Reads what the evaluation wrote (`config.json`, `summary.csv`, `*.png`), never the model, so it can run after
 the fact on any run directory (`python -m kvquant.eval.wandb_logger runs/<name> --mode offline`).
 
-    per (scheme, mode) run   config.json + the scheme; ppl, ppl_fp16, drift, kl, top1_agree per length bucket
+    per (scheme, mode) run   config.json + the scheme; each bucket metric (kvquant.eval.metrics) per bucket
                              (x axis `seq_len`, the bucket's end), the same rows as a wandb.Table, and the
                              `all` row and bytes per token in run.summary
     one `compare` run        drift vs sequence length across schemes (wandb.plot.line_series), bytes per token
@@ -25,17 +25,20 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
+from .metrics import BUCKET_METRICS, RUN_METRICS, SUMMARY_COLUMNS, TEXT_COLUMNS
+
 __all__ = ["MODES", "DEFAULT_PROJECT", "SUMMARY_COLUMNS", "METRICS", "read_summary", "log_run"]
 
 MODES = ("online", "offline", "disabled")
 DEFAULT_PROJECT = "kvquant"
-SUMMARY_COLUMNS = (
-    "scheme,mode,bucket,bucket_start,bucket_end,tokens,ppl,ppl_fp16,drift,kl,top1_agree,"
-    "bytes_per_token_measured,bytes_per_token_formula,saving,effective_bits,status"
-).split(",")
-TEXT_COLUMNS = ("scheme", "mode", "bucket", "status")
-METRICS = ("ppl", "ppl_fp16", "drift", "kl", "top1_agree")  # per bucket, against seq_len
-PER_SCHEME = ("bytes_per_token_measured", "bytes_per_token_formula", "saving", "effective_bits")
+# per bucket, against seq_len, and their intervals: read from the one metric schema (kvquant.eval.metrics)
+METRICS = tuple(
+    name
+    for m in BUCKET_METRICS
+    if m.wandb
+    for name in (m.name, *((f"{m.name}_lo", f"{m.name}_hi") if m.interval else ()))
+)
+PER_SCHEME = tuple(m.name for m in RUN_METRICS)
 ALL = "all"  # the bucket label of the whole-document row
 
 
@@ -50,7 +53,7 @@ def _number(text: str) -> float | int | None:
 
 
 def read_summary(path: Path) -> list[dict]:
-    """summary.csv rows with numbers parsed; refuses a file whose columns are not SUMMARY_COLUMNS."""
+    """summary.csv rows with numbers parsed; refuses a file whose columns are not the schema's."""
     with open(path, newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
         if reader.fieldnames != SUMMARY_COLUMNS:
@@ -138,9 +141,9 @@ def log_run(run_dir: Path, mode: str, project: str | None = None, group: str | N
                 xs=[[x for x, _ in pts] for _, pts in lines], ys=[[y for _, y in pts] for _, pts in lines],
                 keys=[key for key, _ in lines], title="PPL drift vs FP16 by sequence length", xname="tokens")
         bars: dict[str, float] = {}
-        for p in pairs:  # measured bytes when the cache ran (mode cache), else the formula
+        for p in pairs:  # bytes held at the full length at the storage dtype, else the steady-state formula
             w = whole(p)
-            value = w["bytes_per_token_measured"] or w["bytes_per_token_formula"]
+            value = w["bytes_per_token"] or w["bytes_per_token_formula"]
             if value is not None:
                 bars.setdefault(p[0], value)
         if bars:

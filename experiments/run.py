@@ -3,6 +3,7 @@
     python experiments/run.py --scheme int4-g64   # FP16 + int4-g64, default model + Wikipedia
     python experiments/run.py --schemes int8,int4-g64,kivi-2,hf-quanto-int4 --mode both --docs 4
     python experiments/run.py --list-schemes
+    python experiments/run.py --task passkey --schemes int8,int4-g64 --lengths 512,1k,2k --depths 0,0.5,1
 
 Results go to a run directory (default runs/<name from the config>): config.json, results.jsonl, summary.csv,
 report.md, drift_vs_length.png, bytes_per_token.png. Rerunning the same command resumes.
@@ -11,19 +12,45 @@ report.md, drift_vs_length.png, bytes_per_token.png. Rerunning the same command 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Sequence
 
+# Light imports only until the arguments are checked: kvquant.eval.config and kvquant.scheme need no torch,
+# so a usage error or an unknown scheme is reported at once; the runner (torch, transformers) comes after.
+from kvquant.eval.config import (
+    DEFAULT_CHUNK,
+    DEFAULT_DOCS,
+    DEFAULT_MAX_LENGTH,
+    MODE_CHOICES,
+    TASKS,
+    WANDB_MODES,
+    RunConfig,
+    RunError,
+    RunInterrupted,
+    check_inputs,
+    parse_depths,
+    parse_lengths,
+)
+
 logger = logging.getLogger("kvquant.run")
 
 QUICK = {"max_length": 1024, "chunk": 256, "docs": 1}
+QUICK_RETRIEVAL = {"lengths": "256,512", "depths": "0,0.5,1", "trials": 2}
+EXIT_USAGE = 2  # as argparse: bad arguments or inputs, found before any long work
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the full usage is one --help away)."""
+
+    def error(self, message: str):
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvquant.eval.runner import DEFAULT_CHUNK, DEFAULT_DOCS, DEFAULT_MAX_LENGTH
-
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--scheme", action="append", default=[], help="a scheme string (repeatable); see --list-schemes"
     )
@@ -40,12 +67,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--corpus", default="wikipedia", help="wikipedia | shakespeare | a .txt/.jsonl file or folder"
     )
-    p.add_argument("--mode", default="cache", choices=["cache", "fake", "both"])
     p.add_argument(
-        "--max-length", type=int, default=None, help=f"tokens per document (default {DEFAULT_MAX_LENGTH})"
+        "--task",
+        default="ppl",
+        choices=TASKS,
+        help="ppl: perplexity drift by position (default); passkey / needle: retrieval of a key hidden in "
+        "filler text, over --lengths x --depths",
+    )
+    p.add_argument("--mode", default="cache", choices=MODE_CHOICES)
+    p.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help=f"tokens per document, >= 2 (default {DEFAULT_MAX_LENGTH})",
     )
     p.add_argument(
-        "--chunk", type=int, default=None, help=f"tokens per forward in cache mode (default {DEFAULT_CHUNK})"
+        "--chunk",
+        type=int,
+        default=None,
+        help=f"tokens per forward in cache mode (default {DEFAULT_CHUNK}; peers hf-*: 128, their residual)",
     )
     budget = p.add_mutually_exclusive_group()
     budget.add_argument(
@@ -54,15 +94,34 @@ def build_parser() -> argparse.ArgumentParser:
     budget.add_argument(
         "--tokens", type=int, default=None, help="token budget (documents = ceil(tokens/max-length))"
     )
-    p.add_argument("--seed", type=int, default=0, help="seeds the document order")
+    p.add_argument("--lengths", default=None, help="retrieval: prompt lengths: 512,1k (default 1k,2k,4k)")
+    p.add_argument("--depths", default=None, help="retrieval: key depths in [0, 1] (default 0,.25,.5,.75,1)")
+    p.add_argument("--trials", type=int, default=None, help="retrieval: keys per cell (default 3)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the document order (retrieval: keys, filler)")
     p.add_argument("--out", default=None, help="run directory (default runs/<derived from the config>)")
-    p.add_argument("--device", default="cpu")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps (must be available)")
     p.add_argument(
         "--dtype", default="float32", help="float32 | float16 | bfloat16 (model and unquantized K/V)"
     )
-    p.add_argument("--quick", action="store_true", help="smoke run: 1 document of 1,024 tokens, chunk 256")
+    p.add_argument(
+        "--quick", action="store_true", help="smoke run: 1 document of 1,024 tokens, chunk 256 (flags win)"
+    )
+    p.add_argument(
+        "--kv-dtype", default="fp16", help="storage dtype of the reported bytes and savings: fp16|bf16|fp32"
+    )
+    p.add_argument(
+        "--prefill", type=int, default=None, help="prefill mode: prompt tokens in one FP forward (L/2)"
+    )
+    p.add_argument(
+        "--no-reference-cache", action="store_true", help="recompute the reference pass (default: reuse it)"
+    )
+    p.add_argument(
+        "--noise-floor",
+        action="store_true",
+        help="measure cache mode a second time with chunks shifted by chunk/2; report |drift difference|",
+    )
     p.add_argument("--force", action="store_true", help="replace an existing run directory")
-    p.add_argument("--wandb", default="disabled", choices=["online", "offline", "disabled"])
+    p.add_argument("--wandb", default="disabled", choices=WANDB_MODES)
     p.add_argument("--wandb-project", default=None)
     p.add_argument("--wandb-group", default=None)
     p.add_argument("-v", "--verbose", action="store_true")
@@ -81,19 +140,44 @@ def split_schemes(text: str) -> list[str]:
     return out
 
 
-def config_from_args(args: argparse.Namespace):
-    from kvquant.eval.runner import DEFAULT_CHUNK, DEFAULT_MAX_LENGTH, RunConfig
+def _given(value, quick_key: str, quick: dict, default):
+    """An explicit flag wins (0 too: refused later, never replaced), then --quick, then the default."""
+    if value is not None:
+        return value
+    return quick.get(quick_key, default)
 
-    schemes = list(args.scheme) + split_schemes(args.schemes)
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """RunConfig from parsed flags; raises RunError for values that make no sense."""
     quick = QUICK if args.quick else {}
+    grid: dict = {}
+    if args.task != "ppl":
+        given = [f for f, v in (("--max-length", args.max_length), ("--docs", args.docs),
+                                ("--tokens", args.tokens), ("--prefill", args.prefill)) if v is not None]
+        if given:
+            verb = "apply" if len(given) > 1 else "applies"
+            raise RunError(f"{', '.join(given)} {verb} to --task ppl; retrieval: --lengths/--depths/--trials")
+        q = QUICK_RETRIEVAL if args.quick else {}
+        lengths, depths = _given(args.lengths, "lengths", q, None), _given(args.depths, "depths", q, None)
+        grid = {
+            "lengths": parse_lengths(lengths) if lengths is not None else None,
+            "depths": parse_depths(depths) if depths is not None else None,
+            "trials": _given(args.trials, "trials", q, None),
+        }
+        quick = {}
+    elif args.lengths is not None or args.depths is not None or args.trials is not None:
+        raise RunError("--lengths, --depths and --trials apply to --task passkey|needle")
+    docs = args.docs
+    if docs is None and args.tokens is None:
+        docs = quick.get("docs")
     return RunConfig(
-        schemes=tuple(schemes),
+        schemes=tuple(args.scheme) + tuple(split_schemes(args.schemes)),
         model=args.model,
         corpus=args.corpus,
         mode=args.mode,
-        max_length=args.max_length or quick.get("max_length", DEFAULT_MAX_LENGTH),
-        chunk=args.chunk or quick.get("chunk", DEFAULT_CHUNK),
-        docs=args.docs if args.docs is not None else (quick.get("docs") if args.tokens is None else None),
+        max_length=_given(args.max_length, "max_length", quick, DEFAULT_MAX_LENGTH),
+        chunk=_given(args.chunk, "chunk", quick, None),  # None: DEFAULT_CHUNK, peers their own (128)
+        docs=docs,
         tokens=args.tokens,
         seed=args.seed,
         device=args.device,
@@ -101,6 +185,12 @@ def config_from_args(args: argparse.Namespace):
         out=args.out,
         force=args.force,
         wandb=args.wandb,
+        kv_dtype=args.kv_dtype,
+        prefill=args.prefill,
+        reference_cache=not args.no_reference_cache,
+        noise_floor=args.noise_floor,
+        task=args.task,
+        **grid,
         extra={"wandb_project": args.wandb_project, "wandb_group": args.wandb_group},
     )
 
@@ -124,27 +214,42 @@ def log_to_wandb(run_dir, config) -> None:
         )
 
 
-def main(config, *, model=None, tokenizer=None) -> int:
-    """Run one configuration; print the markdown table. Returns the exit code."""
+def _error(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return EXIT_USAGE
+
+
+def main(config: RunConfig, *, model=None, tokenizer=None) -> int:
+    """Run one configuration; print the markdown table. Returns the exit code (0, 2 bad input, 130 Ctrl-C)."""
     import time
 
     from kvquant.eval import results as res
-    from kvquant.eval.runner import RunError, run
+    from kvquant.eval.runner import run
 
     t0 = time.perf_counter()
     try:
         run_dir, summary = run(config, model=model, tokenizer=tokenizer)
     except RunError as e:
-        logger.error("%s", e)
-        return 2
+        return _error(str(e))
+    except RunInterrupted as e:
+        print(e, file=sys.stderr)
+        return EXIT_INTERRUPTED
+    saved = json.loads((run_dir / "config.json").read_text())
+    if config.is_retrieval:
+        from kvquant.eval.retrieval import summary_table
+
+        print(summary_table(summary, saved.get("scheme_names", {})))
+        print(f"results: {run_dir}  ({time.perf_counter() - t0:.0f} s)")
+        return 0
     log_to_wandb(run_dir, config)
-    print(res.markdown_table(summary))
+    print(res.markdown_table(summary, saved.get("scheme_names", {}), saved.get("kv_dtype", "float16")))
     print(f"results: {run_dir}  ({time.perf_counter() - t0:.0f} s)")
     return 0
 
 
-def cli(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def _cli(argv: Sequence[str] | None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -154,10 +259,25 @@ def cli(argv: Sequence[str] | None = None) -> int:
 
         print(schemes_help())
         return 0
-    config = config_from_args(args)
-    if not config.schemes:
-        build_parser().error("name at least one scheme: --scheme int4-g64 (see --list-schemes)")
+    if not args.scheme and not args.schemes.strip():
+        parser.error("name at least one scheme, e.g. --scheme int4-g64 (--list-schemes lists them)")
+    try:
+        config = config_from_args(args)
+        check_inputs(config)  # schemes, model path, corpus, --out: before torch is imported
+    except RunError as e:
+        return _error(str(e))
     return main(config)
+
+
+def cli(argv: Sequence[str] | None = None) -> int:
+    """The command line; Ctrl-C anywhere ends with one line and exit status 130, never a traceback."""
+    try:
+        return _cli(argv)
+    except RunInterrupted as e:
+        print(e, file=sys.stderr)
+    except KeyboardInterrupt:
+        print("interrupted; rerun the same command to resume (measured points are kept)", file=sys.stderr)
+    return EXIT_INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -246,10 +246,15 @@ class SpecializationCounter:
     and record it; nothing is compiled or run. `counter.variants` maps kernel name -> set of keys.
     Works with TRITON_INTERPRET=1 too: an interpreted kernel is wrapped in a JITFunction of its own
     (same Python function, same do_not_specialize) just to compute keys.
+
+    passthrough=True: every launch is recorded and then launched as usual (on a GPU, or interpreted), so
+    a real generation can count the variants it compiled; the stand-in driver is active only while a key
+    is computed.
     """
 
-    def __init__(self, arch: int = 90):
+    def __init__(self, arch: int = 90, passthrough: bool = False):
         self.arch = arch
+        self.passthrough = passthrough
         self.variants: dict[str, set] = {}
         self.calls: dict[str, int] = {}
         self._twins: dict[int, JITFunction] = {}
@@ -273,8 +278,14 @@ class SpecializationCounter:
         from triton.runtime.jit import compute_cache_key
 
         twin = self._twin(kernel)
-        device = _StandInDriver(self.arch).get_current_device()
-        kernel_cache, key_cache, target, backend, binder = twin.device_caches[device]
+        stand_in = _StandInDriver(self.arch)
+        device = stand_in.get_current_device()
+        previous = _driver._active
+        _driver.set_active(stand_in)  # the binder is made for the driver's target on first use
+        try:
+            kernel_cache, key_cache, target, backend, binder = twin.device_caches[device]
+        finally:
+            _driver._active = previous
         kwargs = {k: v for k, v in kwargs.items() if k != "grid"}
         _, specialization, options = binder(*args, **kwargs)
         key = compute_cache_key(key_cache, specialization, options)
@@ -287,10 +298,21 @@ class SpecializationCounter:
 
         counter = self
         previous = _driver._active
-        _driver.set_active(_StandInDriver(self.arch))
+        if not self.passthrough:
+            _driver.set_active(_StandInDriver(self.arch))
+        originals = {cls: cls.__getitem__ for cls in (JITFunction, InterpretedFunction)}
 
         def patched_getitem(self_kernel, grid):
-            return lambda *args, **kwargs: counter.record(self_kernel, args, kwargs)
+            if not counter.passthrough:
+                return lambda *args, **kwargs: counter.record(self_kernel, args, kwargs)
+            original = next(g for c, g in originals.items() if isinstance(self_kernel, c))
+            launch = original(self_kernel, grid)
+
+            def record_and_launch(*args, **kwargs):
+                counter.record(self_kernel, args, kwargs)
+                return launch(*args, **kwargs)
+
+            return record_and_launch
 
         for cls in (JITFunction, InterpretedFunction):
             self._patched.append((cls, cls.__dict__.get("__getitem__")))

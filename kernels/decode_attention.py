@@ -15,10 +15,22 @@ holds three regions in position order: sink (FP pool), body (body pools), recent
 One new query token per sequence attends to sink | body | recent without materializing dequantized K/V.
 Flash-decoding: the token axis is cut into splits; each program computes an unnormalized partial (running
 max m, sum l, accumulator acc) for one split of one (sequence, KV head), reading either body pages (codes
-through the block table, scales as per-token vectors or (tokens, groups) tiles broadcast along the group)
-or FP pages (sink then recent, one table lookup per token, two pointers); a reduce kernel merges the
-splits in tiles of 32. GQA: one program serves the H_q / H_kv query heads of its KV head, so every stored
-byte is read once per step.
+through the block table) or FP pages (sink then recent, one table lookup per token, two pointers); a
+reduce kernel merges the splits in tiles of 32. GQA: one program serves the H_q / H_kv query heads of its
+KV head, so every stored byte is read once per step.
+
+Inside a program, each 64-token block is cut into W slabs of 16 tokens, one per warp, each with its own
+running max and sum (merged once, after the loop): no softmax statistic crosses a warp inside the loop
+(no shared-memory round trip, no barrier for them). The output is accumulated transposed, V^T P^T, so the
+query heads (padded to 8) are the narrow side of the MMA. Scale folding: a per-token scale and zero (int8,
+int4/int2 per token) never touch the elements: q.(c s + z) = (q.c) s + z sum(q) on the scores, and
+sum_t p_t (c_t s_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t on the probabilities. Group-wise scales
+are loaded as (tokens, groups) tiles, channel-wise ones as the block's BLOCK_T // TE scale rows, and
+broadcast (one HFMA2 per pair). Codes become fp16 by the exponent trick (0x6400 | c = 1024 + c);
+compiled, four codes go to two half2 registers with one PRMT (8-bit) or PRMT+LOP3 (4-bit) each, through
+inline PTX; the interpreter cannot run PTX and takes Triton's generic path, which gives the same bits.
+8-bit code pools are read as int32 words (the launcher views them so): a uint8 load would be split into
+bytes and packed again for the PRMT (about 230 more instructions per 64 tokens at D=128).
 
 Masking: key_mask (B, T) bool, True = attend, positions in sink | body | recent order; each program loads
 the mask bytes of its token block, so nothing is checked on the host (no device->host sync). A sequence
@@ -61,14 +73,76 @@ _REDUCE_DNS = ["NSPLIT", "s_ob"]
 
 
 @triton.jit
+def _u8_to_f16(p, SHIFT: tl.constexpr, ASM: tl.constexpr):
+    """uint8 (any shape) -> fp16 holding 1024 + (p >> SHIFT) & (255 >> SHIFT) exactly (SHIFT 0 or 4; 0 with
+    a 4-bit mask when SHIFT is 4 and the low nibble is wanted: see _codes).
+
+    The exponent trick: OR-ing an 8-bit value into the mantissa of 1024.0 (0x6400) gives 1024 + value.
+    Compiled (ASM), four bytes of one register become two half2 registers with one PRMT each (and a LOP3
+    for a nibble), where Triton's generic path extracts and re-packs every byte (two PRMTs per value); the
+    interpreter, which cannot run PTX, takes the generic path, bit for bit the same values."""
+    if ASM:
+        if SHIFT == 0:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 m; mov.b32 m, 0x64646464; prmt.b32 $0, $2, m, 0x5140; prmt.b32 $1, $2, m, 0x7362; }",
+                "=r,=r,r", [p], dtype=tl.float16, is_pure=True, pack=4)
+        elif SHIFT == 4:  # high nibbles: 64 + n/16 * 16 ... scaled so that the result is 1024 + n
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+                "shr.b32 t0, t0, 4; shr.b32 t1, t1, 4; "
+                "lop3.b32 $0, t0, 0x000f000f, 0x64006400, 0xea; lop3.b32 $1, t1, 0x000f000f, 0x64006400, 0xea; }",
+                "=r,=r,r", [p], dtype=tl.float16, is_pure=True, pack=4)
+        else:  # low nibbles
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+                "lop3.b32 $0, t0, 0x000f000f, 0x64006400, 0xea; lop3.b32 $1, t1, 0x000f000f, 0x64006400, 0xea; }",
+                "=r,=r,r", [p], dtype=tl.float16, is_pure=True, pack=4)
+    else:
+        w = p.to(tl.uint16)
+        if SHIFT == 4:
+            w = w >> 4
+        elif SHIFT == 5:
+            w = w & 15
+        return (w | 0x6400).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _w32_to_f16x4(w, ASM: tl.constexpr):
+    """int32 words (any shape) -> four fp16 tensors of that shape, byte k of each word as 1024 + byte k.
+
+    Compiled (ASM): two PRMTs per word (0x64 into the high byte of each half), the halves of the two
+    results handed out as 16-bit registers; a word-sized load keeps the four codes in the register they
+    arrived in, where a uint8 load is split into bytes and packed again (three PRMTs and two LOP3s per
+    word more). The interpreter extracts the bytes with shifts, bit for bit the same values."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 m, t0, t1; mov.b32 m, 0x64646464; prmt.b32 t0, $4, m, 0x5140; "
+            "prmt.b32 t1, $4, m, 0x7362; mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; }",
+            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+            pack=1)
+    else:
+        c0 = ((w & 255) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        c1 = (((w >> 8) & 255) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        c2 = (((w >> 16) & 255) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        c3 = (((w >> 24) & 255) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+        return c0, c1, c2, c3
+
+
+@triton.jit
 def _codes(p, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
-           OUT: tl.constexpr):
+           OUT: tl.constexpr, ASM: tl.constexpr):
     """(BLOCK_T, D * BITS // 8) packed bytes -> (BLOCK_T, D) in OUT holding code - BIAS exactly.
 
     Byte j holds codes per*j .. per*j+per-1, lowest bits first (kvquant.packing). Integer -> float by the
     exponent trick instead of a (quarter-rate) I2F: OR-ing a code c into the mantissa of 2^m gives the
     float 2^m + c (fp16: 0x6400 = 1024; fp32: 0x4B000000 = 2^23, for bf16 too), and one
     subtraction of 2^m + BIAS, exact, leaves c - BIAS (BIAS: a symmetric spec's code offset, else 0)."""
+    if OUT == tl.float16 and BITS == 8:
+        return _u8_to_f16(p, 0, ASM) - (1024.0 + BIAS)
+    elif OUT == tl.float16 and BITS == 4:
+        lo = _u8_to_f16(p, 5, ASM)
+        hi = _u8_to_f16(p, 4, ASM)
+        return tl.reshape(tl.join(lo, hi), (BLOCK_T, D)) - (1024.0 + BIAS)  # [.., j, i] = code 2j + i
     if BITS == 8:
         c = p.to(tl.uint32)
     elif BITS == 4:
@@ -86,18 +160,24 @@ def _codes(p, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, BIAS: 
 
 
 @triton.jit
-def _dequant(c, s, z, SYM: tl.constexpr, BITS: tl.constexpr):
-    """codes (offset already removed) and broadcastable scale/zero, all in the compute dtype -> values
-    (one FMA or FMUL each). Symmetric: s arrives already divided by qmax (in fp32, once per scale)."""
-    if SYM:
-        return c * s
+def _codes_w8(p, BLOCK_T: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
+              ASM: tl.constexpr):
+    """int32 words (BLOCK_T, D // 4) of 8-bit codes (the pool viewed as int32; byte k of word j = code
+    4j + k) -> (BLOCK_T, D) in OUT holding code - BIAS exactly, as `_codes`."""
+    # join(join(c0, c2), join(c1, c3))[.., j, a, b] = c_{2a+b} = code 4j + 2a + b
+    if OUT == tl.float16:
+        c0, c1, c2, c3 = _w32_to_f16x4(p, ASM)
+        x = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_T, D)) - (1024.0 + BIAS)
     else:
-        return c * s + z
+        w0, w1, w2, w3 = p & 255, (p >> 8) & 255, (p >> 16) & 255, (p >> 24) & 255
+        c = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_T, D))
+        x = ((c | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)).to(OUT)
+    return x
 
 
 @triton.jit
 def _stat(ptr, offs, mask, SYM: tl.constexpr, BITS: tl.constexpr, OUT: tl.constexpr, IS_ZERO: tl.constexpr):
-    """A scale (divided by qmax when symmetric, in fp32) or zero, loaded and cast to the compute dtype."""
+    """A scale (divided by qmax when symmetric, in fp32) or zero, loaded and cast to OUT."""
     x = tl.load(ptr + offs, mask=mask, other=0.0)
     if SYM and not IS_ZERO:
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
@@ -107,36 +187,49 @@ def _stat(ptr, offs, mask, SYM: tl.constexpr, BITS: tl.constexpr, OUT: tl.conste
 
 @triton.jit
 def _load_body(
-    c_ptr, s_ptr, z_ptr, pg, slot, h, valid,
+    c_ptr, s_ptr, z_ptr, pg, slot, h, valid, tab_row, s_btn, t0, hi, B_OFF,
     H_KV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
     SYM: tl.constexpr, TE: tl.constexpr, CE: tl.constexpr, SHARED: tl.constexpr, IDX64: tl.constexpr,
-    OUT: tl.constexpr,
+    OUT: tl.constexpr, ASM: tl.constexpr,
 ):
-    """Body tokens at pages pg (BLOCK_T,) int32, slots slot (BLOCK_T,) of KV head h -> (BLOCK_T, D) in OUT.
+    """Body tokens at pages pg (BLOCK_T,) int32, slots slot (BLOCK_T,) of KV head h ->
+    (x (BLOCK_T, D) in OUT, s, z (BLOCK_T,) fp32).
 
     Pools are contiguous, so a row's address is ((page * heads + head) * rows_per_page + row) * cols with
     every factor but page and row known at compile time; 32-bit unless a pool holds 2^31 elements (IDX64).
-    BITS 16: a dense body (`values`). Else packed codes; the scale (and zero) of (token, channel) is at
-    row slot // TE, column channel // CE of the token's page (head 0 when SHARED by all heads); TE == 1
-    and CE == D: one per token (a vector); TE == 1, CE < D: a (BLOCK_T, D // CE) tile broadcast along
-    each group of CE channels; TE > 1 (channel-wise): a row of D per token (TE tokens share it; L1 serves
-    the repeats). Dequantized in OUT: c * s + z with c exact (see _codes)."""
+    BITS 16: a dense body (`values`); x is it, s and z unused. Else packed codes; the scale (and zero) of
+    (token, channel) is at row slot // TE, column channel // CE of the token's page (head 0 when SHARED).
+    One scale per token (TE == 1, CE == D): x is the codes (offset removed, exact) and s, z the token's
+    scale and zero, which the caller folds into the scores (K) or the probabilities (V) instead of
+    multiplying every element. Otherwise x is dequantized in OUT: c * s + z with s, z a (BLOCK_T, D // CE)
+    tile broadcast along each group of CE channels (TE == 1), or a row of D per token (TE > 1,
+    channel-wise: TE tokens share it); s and z are returned as zeros. Channel-wise with TE <= BLOCK_T, the
+    block [t0, t0 + BLOCK_T) of the region (tab_row: its block-table row, s_btn: stride; hi: its end)
+    holds BLOCK_T // TE whole scale rows (t0, B_OFF and BS are multiples of TE): those rows are loaded
+    once, (BLOCK_T // TE, D), and broadcast along their TE tokens, instead of one row per token."""
     offs_d = tl.arange(0, D)
     row = (pg * H_KV + h) * BS + slot  # (BLOCK_T,) row of the (P * H * BS, cols) pool
     if IDX64:
         row = row.to(tl.int64)
+    none = tl.zeros((BLOCK_T,), tl.float32)
     if BITS == 16:
-        return tl.load(c_ptr + row[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0).to(OUT)
+        x = tl.load(c_ptr + row[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0).to(OUT)
+        s = none
+        z = none
     else:
         PER: tl.constexpr = 8 // BITS
-        COLS: tl.constexpr = D // PER
+        WORDS: tl.constexpr = c_ptr.dtype.element_ty == tl.int32  # 8-bit codes read as int32 words
+        COLS: tl.constexpr = D // PER // 4 if WORDS else D // PER
         offs_b = tl.arange(0, COLS)
         p = tl.load(c_ptr + row[:, None] * COLS + offs_b[None, :], mask=valid[:, None], other=0)
         BIAS: tl.constexpr = (1 << (BITS - 1)) if SYM else 0
-        # fp16: dequantize in fp16 (packed HFMA2); bf16 and fp32: in fp32 (the interpreter has no bf16
-        # arithmetic), then one rounding to OUT
+        # fp16: codes and dequantization in fp16 (packed HFMA2); bf16 and fp32: in fp32 (the interpreter has
+        # no bf16 arithmetic), then one rounding to OUT (codes stay exact: |c| <= 255)
         MATH: tl.constexpr = tl.float16 if OUT == tl.float16 else tl.float32
-        c = _codes(p, BLOCK_T, D, BITS, BIAS, MATH)  # (BLOCK_T, D): code - offset
+        if WORDS:
+            c = _codes_w8(p, BLOCK_T, D, BIAS, MATH, ASM)  # (BLOCK_T, D): code - offset
+        else:
+            c = _codes(p, BLOCK_T, D, BITS, BIAS, MATH, ASM)
         NG: tl.constexpr = D // CE
         if TE == 1:
             srow = row if not SHARED else pg * BS + slot
@@ -146,49 +239,98 @@ def _load_body(
             srow = (pg * H_KV + h) * (BS // TE) + slot // TE
         if IDX64:
             srow = srow.to(tl.int64)
-        if TE > 1:  # channel-wise: a scale per channel, shared by the TE tokens of a scale row
+        s = none
+        z = none
+        if TE == 1 and NG == 1:  # one scale per token (and head): folded by the caller
+            s = _stat(s_ptr, srow, valid, SYM, BITS, tl.float32, False)
+            z = none
+            if not SYM:
+                z = _stat(z_ptr, srow, valid, SYM, BITS, tl.float32, True)
+            x = c
+        elif TE > 1 and TE <= BLOCK_T:  # channel-wise: the block's BLOCK_T // TE scale rows, broadcast
+            NR: tl.constexpr = BLOCK_T // TE
+            rg = t0 + tl.arange(0, NR) * TE  # first token of each scale row
+            vg = rg < hi
+            jg = (B_OFF + rg).to(tl.uint32)
+            pgg = tl.load(tab_row + (jg // BS) * s_btn, mask=vg, other=0).to(tl.int32)
+            rowg = (jg % BS).to(tl.int32) // TE
+            srg = pgg * (BS // TE) + rowg if SHARED else (pgg * H_KV + h) * (BS // TE) + rowg
+            if IDX64:
+                srg = srg.to(tl.int64)
+            sp = srg[:, None] * D + offs_d[None, :]  # (NR, D)
+            sc = _stat(s_ptr, sp, vg[:, None], SYM, BITS, MATH, False)[:, None, :]
+            c3 = tl.reshape(c, (NR, TE, D))
+            if SYM:
+                x3 = c3 * sc
+            else:
+                x3 = c3 * sc + _stat(z_ptr, sp, vg[:, None], SYM, BITS, MATH, True)[:, None, :]
+            x = tl.reshape(x3, (BLOCK_T, D))
+        elif TE > 1:  # channel-wise, TE > BLOCK_T: a row per token (L1 serves the repeats)
             sp = srow[:, None] * D + offs_d[None, :]
-            s = _stat(s_ptr, sp, valid[:, None], SYM, BITS, MATH, False)
-            z = s
-            if not SYM:
-                z = _stat(z_ptr, sp, valid[:, None], SYM, BITS, MATH, True)
-            x = _dequant(c, s, z, SYM, BITS)
-        elif NG == 1:  # one scale per token (and head)
-            s = _stat(s_ptr, srow, valid, SYM, BITS, MATH, False)[:, None]
-            z = s
-            if not SYM:
-                z = _stat(z_ptr, srow, valid, SYM, BITS, MATH, True)[:, None]
-            x = _dequant(c, s, z, SYM, BITS)
+            sc = _stat(s_ptr, sp, valid[:, None], SYM, BITS, MATH, False)
+            if SYM:
+                x = c * sc
+            else:
+                x = c * sc + _stat(z_ptr, sp, valid[:, None], SYM, BITS, MATH, True)
         else:  # NG groups of CE channels: a (BLOCK_T, NG) tile, broadcast along each group
             offs_g = tl.arange(0, NG)
             sp = srow[:, None] * NG + offs_g[None, :]
-            s = _stat(s_ptr, sp, valid[:, None], SYM, BITS, MATH, False)[:, :, None]
-            z = s
-            if not SYM:
-                z = _stat(z_ptr, sp, valid[:, None], SYM, BITS, MATH, True)[:, :, None]
+            sc = _stat(s_ptr, sp, valid[:, None], SYM, BITS, MATH, False)[:, :, None]
             c3 = tl.reshape(c, (BLOCK_T, NG, CE))
-            x = tl.reshape(_dequant(c3, s, z, SYM, BITS), (BLOCK_T, D))
-        return x.to(OUT)
+            if SYM:
+                x3 = c3 * sc
+            else:
+                x3 = c3 * sc + _stat(z_ptr, sp, valid[:, None], SYM, BITS, MATH, True)[:, :, None]
+            x = tl.reshape(x3, (BLOCK_T, D))
+    return x.to(OUT), s, z
 
 
 @triton.jit
-def _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_FP32: tl.constexpr):
-    """One online-softmax step (log2 domain): q (G_PAD, D), k/v (BLOCK_T, D), valid (BLOCK_T,)."""
+def _attend(q, qsum, k, ks, kz, v, vs, vz, valid, m_i, l_i, acc, qk_scale,
+            K_FOLD: tl.constexpr, K_SYM: tl.constexpr, V_FOLD: tl.constexpr, V_SYM: tl.constexpr,
+            W: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One online-softmax step (log2 domain) over a block of BT tokens, cut into W slabs of BT // W (one
+    per warp), each with its own running max and sum, so no statistic crosses a warp inside the loop.
+
+    q (W, G_PAD, D) (the same rows per slab); qsum (G_PAD,) fp32 row sums of q; k, v (BT, D); ks, kz, vs,
+    vz (BT,) fp32 per-token scales and zeros, folded when K_FOLD / V_FOLD (k, v are then the codes):
+    q.(c s + z) = (q.c) s + z sum(q) and sum_t p_t (c_t s_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t.
+    valid (BT,); m_i, l_i (W, G_PAD); acc (W, D, G_PAD): the output transposed, so the PV product is
+    V^T (D x BT/W) by P^T (BT/W x G_PAD) and G_PAD (8 for up to 8 query heads) is the narrow side."""
+    BT: tl.constexpr = k.shape[0]
+    D: tl.constexpr = k.shape[1]
+    TW: tl.constexpr = BT // W
+    k3 = tl.reshape(k, (W, TW, D))
+    v3 = tl.reshape(v, (W, TW, D))
+    ok = tl.reshape(valid, (W, TW))[:, None, :]
     if DOT_FP32:
-        s = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+        s = tl.dot(q.to(tl.float32), tl.trans(k3.to(tl.float32), (0, 2, 1)), input_precision="ieee")
     else:
-        s = tl.dot(q, tl.trans(k))  # (G_PAD, BLOCK_T), fp32 accumulation
-    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        s = tl.dot(q, tl.trans(k3, (0, 2, 1)))  # (W, G_PAD, TW), fp32 accumulation
+    if K_FOLD:
+        s = s * tl.reshape(ks * qk_scale, (W, TW))[:, None, :]
+        if not K_SYM:
+            s = s + qsum[None, :, None] * tl.reshape(kz * qk_scale, (W, TW))[:, None, :]
+    else:
+        s = s * qk_scale
+    s = tl.where(ok, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=2))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block must not give NaN
-    p = tl.exp2(s - m_safe[:, None])
+    p = tl.exp2(s - m_safe[:, :, None])
     alpha = tl.exp2(m_i - m_safe)
-    l_i = l_i * alpha + tl.sum(p, axis=1)
+    l_i = l_i * alpha + tl.sum(p, axis=2)
+    acc = acc * alpha[:, None, :]
+    pw = p
+    if V_FOLD:
+        vs3 = tl.reshape(vs, (W, TW))[:, None, :]
+        pw = p * vs3
+        if not V_SYM:
+            acc = acc + tl.sum(p * tl.reshape(vz, (W, TW))[:, None, :], axis=2)[:, None, :]
     if DOT_FP32:
-        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        acc = tl.dot(tl.trans(v3.to(tl.float32), (0, 2, 1)), tl.trans(pw, (0, 2, 1)), acc,
+                     input_precision="ieee")
     else:
-        pv = tl.dot(p.to(v.dtype), v)
-    acc = acc * alpha[:, None] + pv
+        acc = tl.dot(tl.trans(v3, (0, 2, 1)), tl.trans(pw.to(v.dtype), (0, 2, 1)), acc)  # (W, D, G_PAD)
     return m_new, l_i, acc
 
 
@@ -209,7 +351,8 @@ def _paged_split_kernel(
     K_BITS: tl.constexpr, K_SYM: tl.constexpr, K_TE: tl.constexpr, K_CE: tl.constexpr, K_SHARED: tl.constexpr,
     V_BITS: tl.constexpr, V_SYM: tl.constexpr, V_TE: tl.constexpr, V_CE: tl.constexpr, V_SHARED: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BODY: tl.constexpr, HAS_FP: tl.constexpr, DOT_FP32: tl.constexpr,
-    BODY_STAGES: tl.constexpr, FP_STAGES: tl.constexpr,
+    BODY_STAGES: tl.constexpr, FP_STAGES: tl.constexpr, W: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     split = tl.program_id(0)
     bh = tl.program_id(1)
@@ -224,9 +367,14 @@ def _paged_split_kernel(
     mask_row = mask_ptr + b64 * s_mb
     cdt = q.dtype
 
-    m_i = tl.full((G_PAD,), float("-inf"), tl.float32)
-    l_i = tl.zeros((G_PAD,), tl.float32)
-    acc = tl.zeros((G_PAD, D), tl.float32)
+    qsum = tl.sum(q.to(tl.float32), axis=1)  # (G_PAD,): the zero of an asymmetric per-token K, folded
+    q = tl.broadcast_to(q[None, :, :], (W, G_PAD, D))
+    none = tl.zeros((BLOCK_T,), tl.float32)
+    K_FOLD: tl.constexpr = K_BITS < 16 and K_TE == 1 and K_CE == D
+    V_FOLD: tl.constexpr = V_BITS < 16 and V_TE == 1 and V_CE == D
+    m_i = tl.full((W, G_PAD), float("-inf"), tl.float32)
+    l_i = tl.zeros((W, G_PAD), tl.float32)
+    acc = tl.zeros((W, D, G_PAD), tl.float32)
     if split < N_BODY_SPLITS:
         if HAS_BODY:
             # body tokens [lo, hi) of the region; body token r is position S + r
@@ -241,11 +389,14 @@ def _paged_split_kernel(
                 j = (B_OFF + r).to(tl.uint32)  # unsigned: // and % by a power of two are shifts and masks
                 pg = tl.load(tab_row + (j // BS) * s_btn, mask=valid, other=0).to(tl.int32)  # page ids
                 slot = (j % BS).to(tl.int32)
-                k = _load_body(kc_ptr, ks_ptr, kz_ptr, pg, slot, h, valid, H_KV, D, BLOCK_T, BS,
-                               K_BITS, K_SYM, K_TE, K_CE, K_SHARED, IDX64, cdt)
-                v = _load_body(vc_ptr, vs_ptr, vz_ptr, pg, slot, h, valid, H_KV, D, BLOCK_T, BS,
-                               V_BITS, V_SYM, V_TE, V_CE, V_SHARED, IDX64, cdt)
-                m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_FP32)
+                k, ks, kz = _load_body(kc_ptr, ks_ptr, kz_ptr, pg, slot, h, valid, tab_row, s_btn, t0, hi,
+                                       B_OFF, H_KV, D, BLOCK_T, BS,
+                                       K_BITS, K_SYM, K_TE, K_CE, K_SHARED, IDX64, cdt, ASM)
+                v, vs, vz = _load_body(vc_ptr, vs_ptr, vz_ptr, pg, slot, h, valid, tab_row, s_btn, t0, hi,
+                                       B_OFF, H_KV, D, BLOCK_T, BS,
+                                       V_BITS, V_SYM, V_TE, V_CE, V_SHARED, IDX64, cdt, ASM)
+                m_i, l_i, acc = _attend(q, qsum, k, ks, kz, v, vs, vz, valid, m_i, l_i, acc, qk_scale,
+                                        K_FOLD, K_SYM, V_FOLD, V_SYM, W, DOT_FP32)
     else:
         if HAS_FP:
             # FP tokens u in [0, S + R): u < S is sink token u (position u), else recent token u - S
@@ -272,9 +423,17 @@ def _paged_split_kernel(
                 fp_off = row[:, None] * D + offs_d[None, :]
                 k = tl.load(fpk_ptr + fp_off, mask=valid[:, None], other=0.0).to(cdt)
                 v = tl.load(fpv_ptr + fp_off, mask=valid[:, None], other=0.0).to(cdt)
-                m_i, l_i, acc = _attend(q, k, v, valid, m_i, l_i, acc, qk_scale, DOT_FP32)
+                m_i, l_i, acc = _attend(q, qsum, k, none, none, v, none, none, valid, m_i, l_i, acc, qk_scale,
+                                        False, True, False, True, W, DOT_FP32)
 
 
+    # merge the W slabs: (W, G_PAD) -> (G_PAD,)
+    m_all = tl.max(m_i, axis=0)
+    m_s = tl.where(m_all == float("-inf"), 0.0, m_all)
+    wgt = tl.exp2(m_i - m_s[None, :])  # (W, G_PAD); 0 for a slab that saw no token
+    l_i = tl.sum(l_i * wgt, axis=0)
+    acc = tl.trans(tl.sum(acc * wgt[:, None, :], axis=0))
+    m_i = m_all
     part = (bh.to(tl.int64) * NSPLIT + split) * G
     real = offs_g < G  # only the G real query heads are stored
     tl.store(m_ptr + part + offs_g, m_i, mask=real)
@@ -376,6 +535,8 @@ def _body_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: in
     if codes.dtype != torch.uint8:
         raise TypeError(f"decode_attention: packed codes must be uint8, got {codes.dtype}")
     _check_pool("codes", codes, (h_kv, bs, d * lay.bits // 8), like)
+    if lay.bits == 8 and codes.storage_offset() % 4 == 0:
+        codes = codes.view(torch.int32)  # 8-bit codes read as words: four codes stay in one register
     shared = lay.shared_heads or h_kv == 1 or scale.shape[1] == 1
     for name, t in (("scale", scale), ("zero", zero)):
         _check_pool(name, t, (1 if shared else h_kv, bs // lay.token_extent, d // lay.channel_extent), like)
@@ -437,12 +598,13 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
             if bs % te or int(body.offset) % te:
                 raise ValueError(f"decode_attention: block_size {bs} and the body offset must be multiples "
                                  f"of the token group {te}")
-    kb, (k_bits, k_sym, k_te, k_ce, k_sh) = _body_args(key_codec if t_body else None, key_pages, h_kv, d, bs, query)
-    vb, (v_bits, v_sym, v_te, v_ce, v_sh) = _body_args(value_codec if t_body else None, value_pages, h_kv, d, bs,
-                                                 query)
+    kb, (k_bits, k_sym, k_te, k_ce, k_sh) = _body_args(key_codec if t_body else None, key_pages, h_kv, d, bs,
+                                                       query)
+    vb, (v_bits, v_sym, v_te, v_ce, v_sh) = _body_args(value_codec if t_body else None, value_pages, h_kv, d,
+                                                       bs, query)
 
     g = h_q // h_kv
-    g_pad = max(16, triton.next_power_of_2(g))  # tl.dot needs M >= 16
+    g_pad = max(8, triton.next_power_of_2(g))  # the N side of P V (mma n8), padded
     bh = bsz * h_kv
     n_body = 0
     body_chunk = BLOCK_T
@@ -476,9 +638,10 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
         K_BITS=k_bits, K_SYM=k_sym, K_TE=k_te, K_CE=k_ce, K_SHARED=k_sh,
         V_BITS=v_bits, V_SYM=v_sym, V_TE=v_te, V_CE=v_ce, V_SHARED=v_sh,
         HAS_MASK=has_mask, HAS_BODY=t_body > 0, HAS_FP=has_fp, DOT_FP32=dot_fp32,
-        BODY_STAGES=body_stages or 0, FP_STAGES=fp_stages,
+        BODY_STAGES=body_stages or 0, FP_STAGES=fp_stages, W=0, ASM=not _interpreting(),
     )
     num_warps = num_warps or (4 if d <= 128 else 8)  # D=256 on 4 warps spills (255 registers)
+    consts["W"] = min(num_warps, BLOCK_T // 16)  # token slabs with a running softmax each (>= 16 tokens)
     consts["BODY_STAGES"] = body_stages or (2 if d <= 128 else 1)  # D=256, 2 stages: 116 KB of smem
     variant = (query.dtype, *(fpk.dtype, kb[0].dtype, kb[1].dtype, vb[0].dtype, vb[1].dtype),
                num_warps, *sorted(consts.items()))
@@ -562,7 +725,8 @@ def gather_region(pool: torch.Tensor, region, tokens: int = 1) -> torch.Tensor:
     table = region.table.to(pool.device)
     pages = table[:, j // bs]  # (B, n)
     rows = (j % bs) // tokens  # (n,)
-    return pool[pages, :, rows.expand_as(pages)].transpose(1, 2)  # (B, n, heads_f, cols) -> (B, heads_f, n, cols)
+    # (B, n, heads_f, cols) -> (B, heads_f, n, cols)
+    return pool[pages, :, rows.expand_as(pages)].transpose(1, 2)
 
 
 def _gather_fields(pages: Mapping[str, torch.Tensor], codec, region) -> dict[str, torch.Tensor]:

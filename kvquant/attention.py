@@ -76,7 +76,7 @@ def _as_decoded(
     f1 = f0 + view.fresh_k.shape[2]
     pos = torch.arange(kv_len - q_len, kv_len, device=query.device) + start  # (q,) absolute query positions
     scheme = view.scheme
-    ends = torch.tensor([scheme.quantized_end(int(p) + 1) for p in pos], device=query.device)  # (q,)
+    ends = quantized_ends(scheme, pos + 1)  # (q,)
     j = torch.arange(f0, f1, device=query.device)
     quantized = j[None, :] < ends[:, None]  # (q, n): query p sees key j quantized
     f0, f1 = f0 - start, f1 - start  # as indices into the view's keys
@@ -96,6 +96,13 @@ def _as_decoded(
     key = torch.cat([fp_key, key[:, :, f0:f1]], dim=2)  # (B, H_kv, T + n, D)
     value = torch.cat([fp_value, value[:, :, f0:f1]], dim=2)
     return key, value, torch.cat([in_place, appended], dim=-1)
+
+
+def quantized_ends(scheme, num_tokens: torch.Tensor) -> torch.Tensor:
+    """`scheme.quantized_end(n)` for every n of an integer tensor, at once (the same formula)."""
+    sink = num_tokens.clamp(max=scheme.sink)
+    step = scheme.tokens_per_flush
+    return sink + (num_tokens - sink - scheme.window).clamp(min=0) // step * step
 
 
 def register_attention() -> None:

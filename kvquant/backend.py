@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # this module stays importable without torch (CLIs check a backend name before heavy imports)
+    import torch
 
 __all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "KernelHandle", "check_backend", "uses_kernels"]
 

@@ -21,17 +21,19 @@ still attend to and releases the pages behind them.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .backend import ATTN_IMPLEMENTATION, check_backend, uses_kernels
+from .backend import ATTN_IMPLEMENTATION, KernelHandle, check_backend, uses_kernels
 from .codec import Codec, Field, codec_for
 from .memory import KVShape
 from .scheme import Scheme, parse_scheme
-from .store import BlockTable, PagePool, Region, effective_block_size, gather_region
+from .store import BlockTable, KVStore, PagePool, Region, effective_block_size, gather_region
 
 __all__ = ["QuantizedCache", "QuantizedLayer", "LayerView", "DEFAULT_BLOCK_SIZE"]
 
@@ -42,7 +44,7 @@ DEFAULT_BLOCK_SIZE = 16  # tokens per page, as vLLM
 
 _NOT_KVQUANT_ATTENTION = (
     "a QuantizedCache layer reached an attention implementation that is not kvquant's; load the model "
-    "with kvquant.load_model(), or call model.set_attn_implementation('kvquant') (after `import kvquant`)"
+    "with kvquant.load_model(), or call model.set_attn_implementation(kvquant.ATTN_IMPLEMENTATION)"
 )
 
 
@@ -54,7 +56,10 @@ class LayerView:
     key_pages / value_pages: the body pool's fields per codec {name: (P, heads_f, block_size // tokens_f,
     cols_f)}; `body` indexes both (K and V of a token share a page id).
     shape: (B, H_kv, T, D) of the tokens in the view; `start` is the position of the first one (non-zero only
-    on sliding-window layers, which release what the model can no longer attend to).
+    on sliding-window layers, which release what the model can no longer attend to), so token i sits at
+    position start + i. When an eviction policy released positions after a sink
+    (`QuantizedLayer.evict_before`), the sink's tokens are numbered as if they sat just before the first token
+    held after them.
 
     fresh_k/v (B, H_kv, n, D): the unquantized K/V of the n body tokens encoded by the update that made this
     view (positions fresh_start ..), or None. They are never stored: the view lives for one forward, so that
@@ -79,6 +84,7 @@ class LayerView:
     fresh_k: torch.Tensor | None = None
     fresh_v: torch.Tensor | None = None
     fresh_start: int = 0
+    kernel_registry: object | None = None  # kvquant.kernels.registry.KernelRegistry when kernels serve it
 
     # An attention implementation other than kvquant's gets a LayerView where it expects a tensor; when
     # the cache had no config to check up front, fail with what to do rather than a bare TypeError.
@@ -95,7 +101,8 @@ class LayerView:
         if self.sink.length:
             parts.append(gather_region({"x": fp}, fp_field, self.sink)["x"].to(dtype))
         if self.body.length:
-            parts.append(codec.decode(gather_region(pages, codec.fields(), self.body), dtype))
+            # decode_at: a position-dependent codec (pre-RoPE keys) re-applies RoPE at the tokens' positions
+            parts.append(codec.decode_at(gather_region(pages, codec.fields(), self.body), self.body.start, dtype))
         if self.recent.length:
             parts.append(gather_region({"x": fp}, fp_field, self.recent)["x"].to(dtype))
         if not parts:
@@ -132,6 +139,8 @@ class QuantizedLayer(CacheLayerMixin):
         block_size: tokens per page; raised to a multiple of every codec's token group (channel-wise specs).
         sliding_window: the model's window on a sliding-window layer (keys older than it are released), else None.
         capacity: tokens per sequence to preallocate pages for (the pools double when they run out).
+        store, layer_idx: take this layer's pools from a shared `kvquant.store.KVStore` (several caches then
+            share pages: prefixes, `kvquant.prefix`) instead of making private ones.
     """
 
     is_compileable = False
@@ -145,6 +154,11 @@ class QuantizedLayer(CacheLayerMixin):
         block_size: int = DEFAULT_BLOCK_SIZE,
         sliding_window: int | None = None,
         capacity: int = 256,
+        store: KVStore | None = None,
+        layer_idx: int | None = None,
+        calib=None,
+        rope=None,
+        kernels: KernelHandle | None = None,
     ):
         super().__init__()
         scheme = parse_scheme(scheme)
@@ -152,7 +166,7 @@ class QuantizedLayer(CacheLayerMixin):
             if sliding_window < 1:
                 raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
             # the model's mask never lets a query see a key behind its window: sinks there would be dead bytes
-            scheme = Scheme(scheme.key, scheme.value, 0, scheme.window, scheme.name)
+            scheme = dataclasses.replace(scheme, sink=0)
         if not isinstance(block_size, int) or block_size < 1:
             raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
         self.scheme = scheme
@@ -161,6 +175,14 @@ class QuantizedLayer(CacheLayerMixin):
         self.sliding_window = sliding_window
         self.is_sliding = sliding_window is not None
         self.capacity = capacity
+        if store is not None and (layer_idx is None or not 0 <= layer_idx < len(store.layers)):
+            raise ValueError(f"a layer on a shared store needs its layer_idx in [0, {len(store.layers)}), "
+                             f"got {layer_idx!r}")
+        self.store, self.layer_idx = store, layer_idx
+        if scheme.layers:
+            raise ValueError("a layer takes its own uniform scheme: pass scheme.for_layer(layer_idx)")
+        self.calib, self.rope = calib, rope  # codebooks (nuqN) and the model's RoPE (-prerope keys)
+        self.kernels = kernels or KernelHandle()  # the cache's (shared by its layers), or the layer's own
         self.is_initialized = False
         self.length = self.body_len = self.dropped = 0
 
@@ -168,26 +190,38 @@ class QuantizedLayer(CacheLayerMixin):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         b, h, _, d = key_states.shape
-        self.device, self.dtype = key_states.device, key_states.dtype
+        self._init_storage(b, h, d, key_states.dtype, key_states.device)
+
+    def _init_storage(self, b: int, h: int, d: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.device, self.dtype = device, dtype
         self.num_heads, self.head_dim = h, d
-        self.key_codec = codec_for(self.scheme.key, h, d, self.dtype)
-        self.value_codec = codec_for(self.scheme.value, h, d, self.dtype)
+        ctx = dict(layer=self.layer_idx, calib=self.calib, rope=self.rope)
+        self.key_codec = codec_for(self.scheme.key, h, d, self.dtype, role="k", **ctx)
+        self.value_codec = codec_for(self.scheme.value, h, d, self.dtype, role="v", **ctx)
         self.block_size = effective_block_size(
             self.requested_block_size, self.key_codec.token_group, self.value_codec.token_group
         )
-        pages = -(-self.capacity // self.block_size) * b
-        fp = Field(h, 1, d, self.dtype)
-        self.fp_pool = PagePool({"k": fp, "v": fp}, self.block_size, self.device, pages, "fp")
-        body_fields = {f"k.{n}": f for n, f in self.key_codec.fields().items()}
-        body_fields |= {f"v.{n}": f for n, f in self.value_codec.fields().items()}
-        self.body_pool = PagePool(body_fields, self.block_size, self.device, pages, "body")
+        if self.store is not None:
+            self._take_store_pools()
+        else:
+            pages = -(-self.capacity // self.block_size) * b
+            fp = Field(h, 1, d, self.dtype)
+            why = "" if self.block_size == self.requested_block_size else (
+                f", raised from {self.requested_block_size} to hold whole token groups of "
+                f"{self.key_codec.token_group}/{self.value_codec.token_group} (K/V)"
+            )
+            self.fp_pool = PagePool({"k": fp, "v": fp}, self.block_size, self.device, pages, "fp" + why)
+            body_fields = {f"k.{n}": f for n, f in self.key_codec.fields().items()}
+            body_fields |= {f"v.{n}": f for n, f in self.value_codec.fields().items()}
+            self.body_pool = PagePool(body_fields, self.block_size, self.device, pages, "body" + why)
         self.sink_t = BlockTable(self.fp_pool, b)
         self.body_t = BlockTable(self.body_pool, b)
         self.recent_t = BlockTable(self.fp_pool, b)
         self.length = 0  # tokens per sequence seen (positions 0 .. length - 1)
         self.body_len = 0  # tokens encoded into the body (positions sink .. sink + body_len - 1)
         self.dropped = 0  # positions below this are released (sliding-window layers only)
-        self._encode = _kernel_encoder(self.backend, self.device)
+        self._registry = self.kernels.registry() if uses_kernels(self.backend, self.device) else None
+        self._encode = _kernel_encoder(self.backend, self.device, self._registry)
         self.is_initialized = True
 
     # ---- transformers' CacheLayerMixin interface
@@ -250,12 +284,13 @@ class QuantizedLayer(CacheLayerMixin):
         bs, start = self.block_size, self.body_len
         self.body_t.prepare(start // bs, -(-(start + k.shape[2]) // bs))
         table, offset = self.body_t.tensor(), start - self.body_t.first * bs
-        for prefix, codec, x in (("k.", self.key_codec, k), ("v.", self.value_codec, v)):
-            pages = {name: self.body_pool.tensors[prefix + name] for name in codec.fields()}
-            if self._encode is not None and codec.kernel_layout() is not None:
+        kc, vc = self.key_codec, self.value_codec
+        if self._encode is not None and kc.kernel_layout() is not None and vc.kernel_layout() is not None:
+            for prefix, codec, x in (("k.", kc, k), ("v.", vc, v)):
+                pages = {name: self.body_pool.tensors[prefix + name] for name in codec.fields()}
                 self._encode(x, codec, pages, table, offset)
-            else:
-                self.body_pool.write(table, offset, {prefix + n: t for n, t in codec.encode(x).items()})
+        else:
+            self.body_pool.write(table, offset, _encode_pair(kc, vc, k, v, self.scheme.sink + start))
         self.body_len += k.shape[2]
 
     def _slide(self) -> None:
@@ -273,7 +308,12 @@ class QuantizedLayer(CacheLayerMixin):
         start = self.dropped if start is None else start
         sink = self.scheme.sink
         body_end = sink + self.body_len
-        sink_region = self.sink_t.region(0, max(min(sink, self.length) - start, 0))
+        sink_n = min(sink, self.length)
+        # positions [sink, start) released by an eviction policy (`evict_before`): the sink stays, and the
+        # view numbers its tokens as if they sat just before `start` (view_start), so index + view_start is
+        # the position of every token after the sink, and the sink is visible to every query.
+        view_start = start - sink_n if start >= sink_n else start
+        sink_region = self.sink_t.region(0, sink_n if start >= sink_n else sink_n - start)
         body_lo = max(start - sink, 0)
         body_region = self.body_t.region(body_lo, max(self.body_len - body_lo, 0), sink + body_lo)
         recent_lo = max(body_end, start)
@@ -300,15 +340,17 @@ class QuantizedLayer(CacheLayerMixin):
             scheme=self.scheme,
             backend=self.backend,
             shape=torch.Size((self.batch_size, self.num_heads, kv_len, self.head_dim)),
-            start=start,
+            start=view_start,
             fresh_k=fresh_k,
             fresh_v=fresh_v,
             fresh_start=fresh_start,
+            kernel_registry=self._registry,
         )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         """(kv_length, kv_offset) of the next forward: the view starts at the first position still held."""
-        return self.length - self.dropped + query_length, self.dropped
+        kept_sink = min(self.scheme.sink, self.length) if self.dropped else 0  # see view()
+        return self.length - self.dropped + kept_sink + query_length, self.dropped - kept_sink
 
     def get_seq_length(self) -> int:
         return self.length
@@ -454,6 +496,87 @@ class QuantizedLayer(CacheLayerMixin):
             self.fp_pool.check()
             self.body_pool.check()
 
+    # ---- a shared store: prefixes and eviction (kvquant.prefix, kvquant.evict)
+
+    def _take_store_pools(self) -> None:
+        store, i = self.store, self.layer_idx
+        lp = store.layers[i]
+        shape = store.shape
+        if (self.num_heads, self.head_dim) != (shape.num_kv_heads, shape.head_dim):
+            raise ValueError(
+                f"the shared store holds {shape.num_kv_heads} KV heads of head_dim {shape.head_dim}, but "
+                f"layer {i} got {self.num_heads} of {self.head_dim}; one store serves one model"
+            )
+        if (self.dtype, self.device) != (store.dtype, store.device):
+            raise ValueError(
+                f"the shared store holds {store.dtype} on {store.device}, layer {i} got {self.dtype} on "
+                f"{self.device}; make the store with the model's dtype and device"
+            )
+        if lp.sliding_window != self.sliding_window:
+            raise ValueError(f"layer {i}: the store's sliding window {lp.sliding_window} is not the "
+                             f"layer's {self.sliding_window}")
+        fields = {f"k.{n}": f for n, f in self.key_codec.fields().items()}
+        fields |= {f"v.{n}": f for n, f in self.value_codec.fields().items()}
+        if fields != lp.body.fields or self.block_size != lp.block_size:
+            raise ValueError(
+                f"layer {i}: the shared store's body pages ({lp.block_size} tokens, {list(lp.body.fields)}) "
+                "do not fit this layer's codecs; make the store with the cache's scheme and block size"
+            )
+        self.fp_pool, self.body_pool = lp.fp, lp.body  # the codecs stay the layer's (calibration, RoPE)
+
+    def adopt_prefix(
+        self, length: int, sink_pages: list[int], body_pages: list[int], recent_first: int,
+        recent_pages: list[int],
+    ) -> None:
+        """Start this empty one-sequence layer (on a shared store) at `length` tokens whose pages are shared:
+        the state decode-exact decoding would reach after `length` tokens, so the next forward computes
+        exactly what it would have. sink_pages hold positions [0, sink); body_pages logical body pages 0..;
+        recent_pages logical pages recent_first.. (FP copies of the window). The pages are increfed; a later
+        write into a shared one (the partial body page) copies it first."""
+        if self.store is None:
+            raise ValueError("adopt_prefix needs a layer on a shared KVStore (QuantizedCache(.., store=..))")
+        if self.sliding_window is not None:
+            raise ValueError("prefixes are not shared across sliding-window layers (they release pages)")
+        if self.is_initialized and (self.length or self.batch_size != 1):
+            raise ValueError(f"adopt_prefix needs an empty one-sequence layer; this one holds {self.length} "
+                             f"tokens of {self.batch_size} sequences")
+        shape = self.store.shape
+        if not self.is_initialized:
+            self._init_storage(1, shape.num_kv_heads, shape.head_dim, self.store.dtype, self.store.device)
+        sink = self.scheme.sink
+        body_len = self.scheme.quantized_end(length) - min(sink, length)
+        bs, recent_end = self.block_size, length - min(sink, length)  # recent: body tokens [body_len, end)
+        want = (-(-min(sink, length) // bs), -(-body_len // bs), -(-recent_end // bs) - body_len // bs)
+        got = (len(sink_pages), len(body_pages), len(recent_pages))
+        if got != want or (recent_pages and recent_first != body_len // bs):
+            raise ValueError(
+                f"pages for {length} tokens do not cover sink | body | window: need {want} pages "
+                f"(window from logical page {body_len // bs}), got {got} (from {recent_first})"
+            )
+        self.sink_t.adopt(0, sink_pages)
+        self.body_t.adopt(0, body_pages)
+        self.recent_t.adopt(recent_first, recent_pages)
+        self.length, self.body_len, self.dropped = length, body_len, 0
+
+    def evict_before(self, position: int) -> int:
+        """Release the pages that hold only positions in [sink, position) (an eviction policy such as
+        `sliding:W`): later forwards attend to the sink and the tokens from `dropped` on. Positions are kept
+        (no re-rotation); the sink pages stay. Returns the pages released (over the batch)."""
+        if not self.is_initialized or self.sliding_window is not None:
+            return 0
+        sink = min(self.scheme.sink, self.length)
+        if self.length < self.scheme.sink:
+            return 0
+        page = max(min(position, self.length) - sink, 0) // self.block_size
+        dropped = sink + page * self.block_size
+        if dropped <= self.dropped:
+            return 0
+        before = len(self.body_t.pages()) + len(self.recent_t.pages())
+        self.dropped = dropped
+        self.body_t.release_before(page)
+        self.recent_t.release_before(page)
+        return before - len(self.body_t.pages()) - len(self.recent_t.pages())
+
 
 def _check_states(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
     for name, t in (("key_states", key_states), ("value_states", value_states)):
@@ -468,13 +591,42 @@ def _check_states(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         )
 
 
-def _kernel_encoder(backend: str, device: torch.device):
+def _encode_pair(
+    kc: Codec, vc: Codec, k: torch.Tensor, v: torch.Tensor, start: int
+) -> dict[str, torch.Tensor]:
+    """Body fields {"k.<field>", "v.<field>"} of K and V (B, H, n, D) at positions start... One encode call
+    over (2B, ...) when both codecs give the same codes (`Codec.batches_with`: same spec, and the same tables
+    for calibrated codecs): blocks never span sequences, so the codes are the same as two calls."""
+    if kc.batches_with(vc):
+        b = k.shape[0]
+        both = kc.encode_at(torch.cat([k, v], dim=0), start)
+        return {f"k.{n}": t[:b] for n, t in both.items()} | {f"v.{n}": t[b:] for n, t in both.items()}
+    kf, vf = kc.encode_at(k, start), vc.encode_at(v, start)
+    return {f"k.{n}": t for n, t in kf.items()} | {f"v.{n}": t for n, t in vf.items()}
+
+
+def _load_calibration(path: str):
+    from .calibration import load_calibration  # lazy: safetensors and json only when a scheme has calib=
+
+    return load_calibration(path)
+
+
+def _model_rope(config):
+    from .rope import Rope, RopeError
+
+    try:
+        return Rope.from_config(config)
+    except RopeError as e:
+        raise ValueError(f"-prerope: {e}") from None
+
+
+def _kernel_encoder(backend: str, device: torch.device, registry):
     """The Triton quantize+pack-into-pages entry point when the backend selects kernels, else None."""
     if not uses_kernels(backend, device):
         return None
-    from .kernels import dispatch  # lazy: `import kvquant` never imports triton
+    from .kernels.dispatch import quantize_pack_into  # lazy: `import kvquant` never imports triton
 
-    return getattr(dispatch, "quantize_pack_into", None)
+    return functools.partial(quantize_pack_into, registry=registry)
 
 
 @dataclass
@@ -496,6 +648,9 @@ class QuantizedCache(Cache):
         backend: "auto" (Triton kernels on CUDA when available, else PyTorch), "triton" or "torch".
         block_size: tokens per page (16, as vLLM); raised to a multiple of a channel-wise token group.
         capacity: tokens per sequence to preallocate pages for; the pools double beyond it.
+        store: a shared `kvquant.store.KVStore` (same scheme and model) whose pools every layer uses, so that
+            several caches (one per request) share pages: prefix caching and eviction under a byte budget
+            (`kvquant.prefix`, `kvquant.evict`, `kvquant.serving`). Default: private pools per layer.
 
     Use it as `model(ids, cache=cache)` or `model.generate(ids, cache=cache)`, on a model whose
     attention implementation is `kvquant.ATTN_IMPLEMENTATION` (`kvquant.load_model` sets it).
@@ -509,24 +664,62 @@ class QuantizedCache(Cache):
         backend: str = "auto",
         block_size: int = DEFAULT_BLOCK_SIZE,
         capacity: int = 256,
+        store: KVStore | None = None,
     ):
         self.scheme = parse_scheme(scheme)
         self.backend = check_backend(backend)
         self._expect = _Expect()
+        self.store = store
+        if store is not None:
+            if store.scheme != self.scheme:
+                raise ValueError(
+                    f"the shared store holds scheme {str(store.scheme)!r}, not {str(self.scheme)!r}; "
+                    "one store serves one scheme"
+                )
+            if self.scheme.layers or self.scheme.calib is not None or self.scheme.prerope:
+                # KVStore builds one codec pair from scheme.key/value for every layer, without tables or RoPE
+                raise ValueError(
+                    f"scheme {str(self.scheme)!r}: per-layer specs, calibrated codebooks and pre-RoPE keys are not "
+                    "supported on a shared KVStore yet; use a private cache (no store=)"
+                )
+            if config is None:
+                raise ValueError("a cache on a shared store needs the model's config (QuantizedCache(scheme, "
+                                 "model.config, store=store))")
+            if store.shape != KVShape.from_config(config):
+                raise ValueError(f"the shared store was made for {store.shape}, not this model's "
+                                 f"{KVShape.from_config(config)}")
         self._fixed_layers = config is not None
-        kwargs = dict(backend=backend, block_size=block_size, capacity=capacity)
+        kwargs = dict(backend=backend, block_size=block_size, capacity=capacity, kernels=KernelHandle())
+        # codebooks of nuqN specs, loaded once per file (kvquant.calibration; no pickle)
+        calib = _load_calibration(self.scheme.calib) if self.scheme.calib is not None else None
         if config is not None:
             shape = KVShape.from_config(config)
             self.scheme.check_head_dim(shape.head_dim)
+            self.scheme.check_num_layers(shape.num_layers)
+            if calib is not None:
+                calib.check_model(shape, self.scheme)
+            rope = _model_rope(config) if self.scheme.prerope else None
             text = config.get_text_config() if hasattr(config, "get_text_config") else config
             self._expect = _Expect(getattr(text, "_attn_implementation", None))
             layers = [
-                QuantizedLayer(self.scheme, sliding_window=shape.window_of(i), **kwargs)
+                QuantizedLayer(
+                    self.scheme.for_layer(i), sliding_window=shape.window_of(i), store=store, layer_idx=i,
+                    calib=calib, rope=rope, **kwargs
+                )
                 for i in range(shape.num_layers)
             ]
             super().__init__(layers=layers)
         else:
-            super().__init__(layer_class_to_replicate=lambda: QuantizedLayer(self.scheme, **kwargs))
+            if self.scheme.layers or self.scheme.prerope:
+                raise ValueError(
+                    f"scheme {str(self.scheme)!r} has per-layer specs or pre-RoPE keys: build the cache with the "
+                    "model's config (QuantizedCache(scheme, model.config))"
+                )
+            super().__init__(
+                layer_class_to_replicate=lambda: QuantizedLayer(
+                    self.scheme, layer_idx=len(self.layers), calib=calib, **kwargs
+                )
+            )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         if not isinstance(layer_idx, int) or layer_idx < 0 or (
@@ -546,7 +739,7 @@ class QuantizedCache(Cache):
             raise ValueError(
                 f"the model's attention implementation is {impl!r}, which cannot read a quantized cache; "
                 f"load it with kvquant.load_model(), or call model.set_attn_implementation("
-                f"{ATTN_IMPLEMENTATION!r}) (after `import kvquant`)"
+                f"kvquant.ATTN_IMPLEMENTATION)"
             )
         if isinstance(key_states, torch.Tensor) and key_states.dim() == 4:
             self.scheme.check_head_dim(key_states.shape[-1])

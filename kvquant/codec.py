@@ -8,6 +8,13 @@ A codec is bound to a spec and a layer's shape (H_kv heads, head_dim D, K/V dtyp
     affine INT   codes    H            1          D * bits / 8  uint8 (packed, kvquant.packing)
                  scale    H or 1 (*)   t_e        D / c_e       the scale dtype
                  zero     same as scale (asymmetric specs only)
+    codebook NUQ codes    H            1          D * bits / 8  uint8 (3 bits: 8 codes per 3 bytes)
+                 scale    as affine (half-range, or absmax for -sym); zero: the block's mid-range (asymmetric)
+    pre-RoPE     the fields of the codec it wraps (keys stored before RoPE; `encode_at` / `decode_at`)
+    FP8          codes    H            1          D             uint8 (float8 bits; kvquant.codec_fp8)
+                 scale    as affine (absent for -tensor: a fixed unit scale)
+    -center/-rot/-out     the wrapped codec's fields, plus offset (H, N, D) / nothing / out_values and
+                          out_index (H, 1, k) (kvquant.codec_transforms)
 
 (*) a scale shared by all heads of a token (per-token granularity) is stored once: heads_f = 1.
 
@@ -23,19 +30,23 @@ and attention then takes the PyTorch reference path.
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from .packing import packed_size
-from .scheme import Granularity, QuantSpec, SchemeError, parse_spec
+from .packing import pack, packed_size, unpack
+from .scheme import CALIBRATE_COMMAND, Granularity, QuantSpec, SchemeError, parse_spec
 
 __all__ = [
     "AffineCodec",
     "BlockExtent",
     "Codec",
+    "CodebookCodec",
+    "PreRopeCodec",
     "DenseCodec",
     "Field",
     "KernelLayout",
@@ -43,6 +54,8 @@ __all__ = [
     "codec_for",
     "torch_dtype",
 ]
+
+logger = logging.getLogger(__name__)
 
 _DTYPES: dict[str, torch.dtype] = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -173,6 +186,29 @@ class Codec(ABC):
         """How the Triton kernels read this codec, or None when no kernel serves it (reference path)."""
         return None
 
+    def encode_at(self, x: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
+        """`encode` for tokens at positions start .. start + T - 1 (position-dependent codecs use it)."""
+        return self.encode(x)
+
+    def decode_at(
+        self, fields: Mapping[str, torch.Tensor], start: int, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        """`decode` of tokens at positions start .. (position-dependent codecs use it)."""
+        return self.decode(fields, dtype)
+
+    def bind(self, *, layer: int | None, role: str | None, calib, spec: QuantSpec) -> None:
+        """Take this layer's calibrated tables (codebooks) from `calib`; most codecs have none."""
+        return None
+
+    def batches_with(self, other: Codec) -> bool:
+        """Whether one encode call may serve this codec's and `other`'s tokens together (same codes)."""
+        return type(self) is type(other) and self.spec == other.spec
+
+    def codebook_values(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        """The values a codebook inside this codec quantizes, for x (B, H, T, D) at positions start..: what
+        calibration fits levels on (`kvquant.calibration`). A wrapper that transforms x must say how."""
+        raise SchemeError(f"{self.spec}: fitting a codebook under this codec is not supported")
+
     def bytes(self, num_tokens: int) -> int:
         """Bytes held for num_tokens tokens of one sequence (a multiple of token_group)."""
         return sum(f.nbytes(num_tokens) for f in self.fields().values())
@@ -241,17 +277,210 @@ class AffineCodec(Codec):
         )
 
 
+class CodebookCodec(Codec):
+    """Non-uniform levels (`nuq4`, `nuq3`, `nuq2`; KVQuant's NUQ): each block (the spec's granularity) is
+    normalized to [-1, 1] and each value stored as the index of the nearest of 2^bits levels, a codebook fitted
+    offline per layer and K/V on calibration text (`kvquant.calibration`).
+
+        asymmetric: zero = (max + min) / 2, scale = max(max - zero, zero - min)   x_n = (x - zero) / scale
+        symmetric:  scale = max |x|                                                 x_n = x / scale
+        code = argmin_i |x_n - level_i| (bucketize against the midpoints), x_hat = level[code] * scale (+ zero)
+
+    zero is rounded to nearest in the scale dtype and scale up, so the stored pair still maps the block into
+    [-1, 1]. A constant block gets scale 0 and decodes to its zero (exact when the scale dtype holds it).
+    Non-finite blocks decode to NaN, as the affine codec's. Codes are packed (3 bits: 8 codes per 3 bytes), so
+    the bytes held are exactly bits * D / 8 per (token, head) plus the scales.
+    """
+
+    def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
+        super().__init__(spec, heads, head_dim, dtype)
+        self.extent = block_extent(spec, heads, head_dim)
+        self.scale_dtype = torch_dtype(spec.scale_dtype) if spec.scale_dtype else dtype
+        self.levels: torch.Tensor | None = None  # (2^bits,) float32, ascending; from `bind`
+        self.where = ""  # which table, for messages
+
+    def bind(self, *, layer: int | None, role: str | None, calib, spec: QuantSpec) -> None:
+        if calib is not None and layer is not None and role is not None:
+            self.set_levels(calib.codebook(layer, role, spec))
+            self.where = f" (layer {layer} {role.upper()}, {calib.path})"
+
+    def set_levels(self, levels: torch.Tensor) -> None:
+        levels = torch.as_tensor(levels, dtype=torch.float32).flatten()
+        if levels.numel() != 1 << self.spec.bits or not bool((levels[1:] > levels[:-1]).all()):
+            raise ValueError(f"a {self.spec} codebook holds {1 << self.spec.bits} ascending levels, got {levels}")
+        self.levels = levels
+
+    def _levels(self, device: torch.device) -> torch.Tensor:
+        if self.levels is None:
+            raise SchemeError(
+                f"{self.spec} has no codebook: give the scheme a calibration file (calib=FILE), written by `"
+                + CALIBRATE_COMMAND.format(scheme=self.spec)
+                + "`, and build the codec with its layer (codec_for(..., layer=i, role='k', calib=...))"
+            )
+        return self.levels.to(device)
+
+    def fields(self) -> dict[str, Field]:
+        e, d = self.extent, self.head_dim
+        stat = Field(self.heads // e.heads, e.tokens, d // e.channels, self.scale_dtype)
+        out = {"codes": Field(self.heads, 1, packed_size(d, self.spec.bits), torch.uint8), "scale": stat}
+        if not self.spec.symmetric:
+            out["zero"] = stat
+        return out
+
+    def normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """x (B, H, T, D) -> (x_n (*stat_shape, G) fp32, stored scale, stored zero or None, finite (*stat, 1)):
+        the values the codebook quantizes; calibration fits the levels on exactly these."""
+        from .quantize import _round  # the affine codec's rounding of stored statistics
+
+        blocks = self.extent.blocks(x.float())
+        finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
+        if self.spec.symmetric:
+            zero = None
+            scale = _round(blocks.abs().amax(dim=-1, keepdim=True), self.scale_dtype, up=True)
+            z = torch.zeros((), device=x.device)
+        else:
+            lo, hi = blocks.aminmax(dim=-1, keepdim=True)
+            zero = ((hi + lo) / 2).to(self.scale_dtype)
+            z = zero.float()
+            scale = _round(torch.maximum(hi - z, z - lo), self.scale_dtype, up=True)
+        s = scale.float()
+        finite &= torch.isfinite(s) & torch.isfinite(z)
+        xn = torch.where(s > 0, (blocks - z) / s, torch.zeros_like(blocks))
+        return xn, scale, zero, finite
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        levels = self._levels(x.device)
+        xn, scale, zero, finite = self.normalize(x.to(self.dtype))
+        codes = torch.bucketize(xn.contiguous(), (levels[1:] + levels[:-1]) / 2)  # nearest level
+        codes = torch.where(finite, codes, 0).to(torch.uint8)
+        scale = torch.where(finite, scale, torch.nan)
+        out = {"codes": pack(self.extent.unblocks(codes, x.shape).contiguous(), self.spec.bits)}
+        out["scale"] = scale.squeeze(-1).contiguous()
+        if zero is not None:
+            out["zero"] = zero.squeeze(-1).contiguous()
+        return out
+
+    def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        codes = fields["codes"]
+        shape = (*codes.shape[:3], self.head_dim)
+        values = self._levels(codes.device)[unpack(codes, self.spec.bits, self.head_dim).long()]  # (B, H, T, D)
+        blocks, scale = self.extent.broadcast(values, fields["scale"].float())
+        x = blocks * scale
+        if "zero" in fields:
+            x = x + self.extent.broadcast(values, fields["zero"].float())[1]
+        return x.reshape(shape).to(dtype or self.dtype)
+
+    def codebook_values(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        xn, _, _, finite = self.normalize(x)
+        return xn[finite.expand_as(xn)]
+
+    def batches_with(self, other: Codec) -> bool:
+        return (
+            super().batches_with(other)
+            and self.levels is not None
+            and other.levels is not None
+            and torch.equal(self.levels, other.levels)
+        )
+
+
+_LOGGED: set[str] = set()
+
+
+class PreRopeCodec(Codec):
+    """Keys stored before the rotary embedding (`-prerope`): `encode_at` un-rotates keys at their positions
+    (`kvquant.rope.Rope.invert`, exact) and the wrapped codec encodes them; `decode_at` decodes and re-applies
+    RoPE. Fields are the wrapped codec's. No kernel serves it yet: attention takes the reference path."""
+
+    def __init__(self, spec: QuantSpec, inner: Codec, rope=None):
+        super().__init__(spec, inner.heads, inner.head_dim, inner.dtype)
+        self.inner, self.rope = inner, rope
+
+    def _rope(self):
+        if self.rope is None:
+            raise SchemeError(
+                f"{self.spec} stores keys before RoPE and needs the model's rotary embedding: build the cache "
+                "with the model's config (QuantizedCache(scheme, model.config))"
+            )
+        return self.rope
+
+    def fields(self) -> dict[str, Field]:
+        return self.inner.fields()
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        raise SchemeError(f"{self.spec} needs the keys' positions: call encode_at(x, start)")
+
+    def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        raise SchemeError(f"{self.spec} needs the keys' positions: call decode_at(fields, start, dtype)")
+
+    def encode_at(self, x: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
+        return self.inner.encode(self._rope().invert(x, start))
+
+    def decode_at(
+        self, fields: Mapping[str, torch.Tensor], start: int, dtype: torch.dtype | None = None
+    ) -> torch.Tensor:
+        return self._rope().apply(self.inner.decode(fields, dtype), start)
+
+    def bind(self, *, layer: int | None, role: str | None, calib, spec: QuantSpec) -> None:
+        self.inner.bind(layer=layer, role=role, calib=calib, spec=spec)
+
+    def codebook_values(self, x: torch.Tensor, start: int = 0) -> torch.Tensor:
+        return self.inner.codebook_values(self._rope().invert(x, start), start)
+
+    def kernel_layout(self) -> None:
+        if str(self.spec) not in _LOGGED:
+            _LOGGED.add(str(self.spec))
+            logger.info("%s: no kernel reads pre-RoPE keys yet; the PyTorch reference path serves them", self.spec)
+        return None
+
+    def batches_with(self, other: Codec) -> bool:
+        return False
+
+
 # The codec family of a spec. Research codecs (rotation, FP8, codebooks, outliers) register here.
-_FAMILIES: dict[str, type[Codec]] = {"dense": DenseCodec, "affine": AffineCodec}
+_FAMILIES: dict[str, type[Codec]] = {"dense": DenseCodec, "affine": AffineCodec, "codebook": CodebookCodec}
 
 
 def _family(spec: QuantSpec) -> str:
+    if spec.transforms:  # -center, -rot, -out wrap the codec of the spec without them, outermost first
+        return spec.transforms[0]
+    if spec.fp8 is not None:
+        return "fp8"
+    if spec.codebook:
+        return "codebook"
     return "affine" if spec.is_quantized else "dense"
 
 
-def codec_for(spec: QuantSpec | str, heads: int, head_dim: int, dtype: torch.dtype = torch.float16) -> Codec:
-    """The codec that stores `spec` for H_kv=heads, head_dim and the K/V dtype."""
+def codec_for(
+    spec: QuantSpec | str,
+    heads: int,
+    head_dim: int,
+    dtype: torch.dtype = torch.float16,
+    *,
+    layer: int | None = None,
+    role: str | None = None,
+    calib=None,
+    rope=None,
+) -> Codec:
+    """The codec that stores `spec` for H_kv=heads, head_dim and the K/V dtype.
+
+    layer, role ("k" or "v") and calib (a `kvquant.calibration.Calibration`) give calibrated codecs their
+    tables (a codebook spec without them can size its fields but not encode); rope (`kvquant.rope.Rope`) serves
+    `-prerope` keys."""
     spec = parse_spec(spec)
     if not isinstance(heads, int) or not isinstance(head_dim, int) or heads < 1 or head_dim < 1:
         raise ValueError(f"heads and head_dim must be positive integers, got {heads!r} and {head_dim!r}")
-    return _FAMILIES[_family(spec)](spec, heads, head_dim, torch_dtype(dtype))
+    if role not in (None, "k", "v"):
+        raise ValueError(f"role must be 'k' or 'v', got {role!r}")
+    inner = dataclasses.replace(spec, prerope=False) if spec.prerope else spec
+    codec = _FAMILIES[_family(inner)](inner, heads, head_dim, torch_dtype(dtype))
+    if spec.prerope:
+        codec = PreRopeCodec(spec, codec, rope)
+    codec.bind(layer=layer, role=role, calib=calib, spec=spec)
+    return codec
+
+
+# Research codecs in their own modules (they import this one), registered once it is complete.
+from .codec_fp8 import FP8Codec  # noqa: E402
+from .codec_transforms import CenterCodec, OutlierCodec, RotationCodec  # noqa: E402
+
+_FAMILIES.update(fp8=FP8Codec, center=CenterCodec, rotate=RotationCodec, outliers=OutlierCodec)

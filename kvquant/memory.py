@@ -31,6 +31,12 @@ __all__ = [
     "layer_pages",
     "effective_bits",
     "saving",
+    "KNOWN_PARAMS",
+    "Capacity",
+    "capacity",
+    "shared_prefix_bytes",
+    "window_copy_bytes",
+    "weights_bytes",
 ]
 
 
@@ -92,13 +98,18 @@ def _torch_dtype(dtype: torch.dtype | int) -> torch.dtype:
 
 
 def bytes_per_token(config, scheme: Scheme | str, dtype: torch.dtype | int = torch.float16) -> float:
-    """Steady-state bytes per token over all layers, K and V (sink and window tokens excluded)."""
+    """Steady-state bytes per token over all layers, K and V (sink and window tokens excluded); a per-layer
+    scheme sums its layers' specs."""
     shape, scheme = KVShape.from_config(config), parse_scheme(scheme)
+    scheme.check_num_layers(shape.num_layers)
     n = 1024 * scheme.tokens_per_flush  # whole channel groups, so the per-token rate is exact
-    per_layer = sum(
-        spec_bytes(s, n, shape.num_kv_heads, shape.head_dim, dtype) for s in (scheme.key, scheme.value)
-    )
-    return shape.num_layers * per_layer / n
+    total = 0
+    for i in range(shape.num_layers):
+        layer = scheme.for_layer(i)
+        total += sum(
+            spec_bytes(s, n, shape.num_kv_heads, shape.head_dim, dtype) for s in (layer.key, layer.value)
+        )
+    return total / n
 
 
 def fp16_bytes_per_token(config, dtype: torch.dtype | int = torch.float16) -> int:
@@ -146,15 +157,17 @@ def cache_bytes(
     """Exact bytes a QuantizedCache holds after num_tokens tokens per sequence: whole pages of the sink,
     the body and the recent window, per layer (sliding-window layers at their window)."""
     shape, scheme = KVShape.from_config(config), parse_scheme(scheme)
+    scheme.check_num_layers(shape.num_layers)
     dtype = _torch_dtype(dtype)
-    kc = codec_for(scheme.key, shape.num_kv_heads, shape.head_dim, dtype)
-    vc = codec_for(scheme.value, shape.num_kv_heads, shape.head_dim, dtype)
-    bs = math.lcm(block_size, kc.token_group, vc.token_group)
-    fp_page = 2 * shape.num_kv_heads * bs * shape.head_dim * dtype.itemsize
-    body_page = kc.bytes(bs) + vc.bytes(bs)
     total = 0
     for layer in range(shape.num_layers):
-        fp, body = layer_pages(scheme, num_tokens, bs, shape.window_of(layer))
+        ls = scheme.for_layer(layer)  # the layer's own specs (per-layer schemes)
+        kc = codec_for(ls.key, shape.num_kv_heads, shape.head_dim, dtype)
+        vc = codec_for(ls.value, shape.num_kv_heads, shape.head_dim, dtype)
+        bs = math.lcm(block_size, kc.token_group, vc.token_group)
+        fp_page = 2 * shape.num_kv_heads * bs * shape.head_dim * dtype.itemsize
+        body_page = kc.bytes(bs) + vc.bytes(bs)
+        fp, body = layer_pages(ls, num_tokens, bs, shape.window_of(layer))
         total += fp * fp_page + body * body_page
     return batch * total
 
@@ -169,3 +182,115 @@ def effective_bits(config, scheme: Scheme | str, dtype: torch.dtype | int = torc
 def saving(config, scheme: Scheme | str, dtype: torch.dtype | int = torch.float16) -> float:
     """How many times smaller than FP16 the steady-state cache is (x)."""
     return fp16_bytes_per_token(config, dtype) / bytes_per_token(config, scheme, dtype)
+
+
+# ------------------------------------------------------------------------------------------- capacity
+
+# parameters of the known shapes, for the weights' bytes in a capacity estimate
+KNOWN_PARAMS: dict[str, float] = {"llama-3-8b": 8.03e9, "llama-3-70b": 70.6e9, "smollm2-135m": 134.5e6}
+
+
+def weights_bytes(params: float, bits: int = 16) -> int:
+    """Bytes of `params` weights at `bits` bits each (no quantization scales counted)."""
+    if bits < 1:
+        raise ValueError(f"weight bits must be positive, got {bits}")
+    return int(params * bits / 8)
+
+
+def shared_prefix_bytes(
+    config,
+    scheme: Scheme | str,
+    context: int,
+    shared_prefix: int,
+    dtype: torch.dtype | int = torch.float16,
+    block_size: int = 16,
+) -> int:
+    """Bytes of one request's pages that a common prefix of `shared_prefix` tokens lets requests share once
+    they reach `context` tokens (`kvquant.prefix`): a request resumes at R, the last page boundary in the
+    prefix, and keeps sharing the sink pages and the body pages that were full at R (quantized pages are
+    final; the page holding the quantized/window boundary is copied on its first write, the FP window is
+    private). Sliding-window layers share nothing."""
+    shape, scheme = KVShape.from_config(config), parse_scheme(scheme)
+    return _shared_layout(shape, scheme, context, shared_prefix, dtype, block_size)[0]
+
+
+def window_copy_bytes(
+    config,
+    scheme: Scheme | str,
+    context: int,
+    shared_prefix: int,
+    dtype: torch.dtype | int = torch.float16,
+    block_size: int = 16,
+) -> int:
+    """Bytes of the FP copy of a windowed scheme's window at the resume point, which the prefix cache holds
+    once (besides the shared pages) so that requests can resume there decode-exactly; 0 without a window."""
+    shape, scheme = KVShape.from_config(config), parse_scheme(scheme)
+    return _shared_layout(shape, scheme, context, shared_prefix, _torch_dtype(dtype), block_size)[1]
+
+
+def _shared_layout(
+    shape: KVShape, scheme: Scheme, context: int, shared_prefix: int, dtype: torch.dtype, block_size: int
+) -> tuple[int, int]:
+    """(shared bytes, window-copy bytes) of a prefix over every full-attention layer."""
+    kc = codec_for(scheme.key, shape.num_kv_heads, shape.head_dim, dtype)
+    vc = codec_for(scheme.value, shape.num_kv_heads, shape.head_dim, dtype)
+    bs = math.lcm(block_size, kc.token_group, vc.token_group)
+    prefix = min(shared_prefix, context - 1)  # a request computes at least its last token
+    sink = scheme.sink
+    if prefix < sink or prefix <= 0:
+        return 0, 0
+    fp_page = 2 * shape.num_kv_heads * bs * shape.head_dim * dtype.itemsize
+    body_page = kc.bytes(bs) + vc.bytes(bs)
+    resume = sink + (prefix - sink) // bs * bs
+    body_len = scheme.quantized_end(resume) - min(sink, resume)
+    shared = _pages(0, sink, bs) * fp_page + body_len // bs * body_page
+    window = ((resume - sink) // bs - body_len // bs) * fp_page
+    full_layers = shape.num_layers - len(shape.sliding_layers)
+    return full_layers * shared, full_layers * window
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """How many requests of `context` tokens fit in `kv_bytes` (all bytes at the storage dtype)."""
+
+    kv_bytes: int  # memory left for the KV cache
+    request_bytes: int  # one request's pages (page-rounded, `cache_bytes`)
+    shared_bytes: int  # of those, the shared prefix's pages (held once when sharing)
+    requests: int  # with the prefix shared
+    requests_unshared: int  # every request holding its own pages
+    window_copy_bytes: int = 0  # a windowed scheme's FP window at the resume point, held once by the index
+
+    @property
+    def private_bytes(self) -> int:
+        return self.request_bytes - self.shared_bytes
+
+
+def capacity(
+    config,
+    scheme: Scheme | str,
+    kv_bytes: int,
+    context: int,
+    shared_prefix: int = 0,
+    dtype: torch.dtype | int = torch.float16,
+    block_size: int = 16,
+) -> Capacity:
+    """Concurrent requests of `context` tokens that fit in kv_bytes: without sharing floor(M / request), with
+    a shared prefix floor((M - shared - window copy) / (request - shared)) (the prefix's pages held once, and
+    for a windowed scheme the FP copy of its window at the resume point, which the prefix cache keeps).
+
+    Llama-3-70B at FP16: 4,096 tokens x 320 KiB = 1.34 GB per request, so 100 requests take 134 GB."""
+    if context < 1:
+        raise ValueError(f"context must be at least 1 token, got {context}")
+    if shared_prefix < 0:
+        raise ValueError(f"shared_prefix must be >= 0 tokens, got {shared_prefix}")
+    request = cache_bytes(config, scheme, context, dtype=dtype, block_size=block_size)
+    shape = KVShape.from_config(config)
+    shared, window = _shared_layout(shape, parse_scheme(scheme), context, shared_prefix, _torch_dtype(dtype),
+                                    block_size)
+    kv_bytes = max(int(kv_bytes), 0)
+    unshared = kv_bytes // request
+    if shared and kv_bytes >= shared + window and request > shared:
+        n = (kv_bytes - shared - window) // (request - shared)
+    else:
+        n = unshared
+    return Capacity(kv_bytes, request, shared, int(n), int(unshared), window)

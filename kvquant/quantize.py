@@ -79,6 +79,11 @@ def _check(x: torch.Tensor, spec: QuantSpec) -> None:
         raise TypeError(f"expected K/V as a torch.Tensor of shape (B, H_kv, T, D), got {type(x).__name__}")
     if not spec.is_quantized:
         raise ValueError("spec is fp16: there is nothing to quantize")
+    if spec.fp8 is not None or spec.transforms:
+        raise ValueError(
+            f"quantize() is the uniform affine arithmetic; {spec} is stored by its codec: "
+            "kvquant.codec.codec_for(spec, H_kv, D, dtype).encode(x), or fake_quantize(x, spec)"
+        )
     if x.dim() != 4:
         raise ValueError(f"expected K/V of shape (B, H_kv, T, D), got {tuple(x.shape)}")
     if not x.is_floating_point():
@@ -95,6 +100,8 @@ def _check(x: torch.Tensor, spec: QuantSpec) -> None:
 def _round(t: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
     """fp32 t -> dtype, rounded up (or down) so that the stored statistic still covers t: a scale
     rounded down (bf16 keeps 8 bits) would clip the block's largest values by up to qmax * 2^-8 steps."""
+    if dtype == t.dtype:
+        return t  # nothing to round
     r = t.to(dtype)
     off = r.float() < t if up else r.float() > t
     return torch.where(off, torch.nextafter(r, torch.full_like(r, float("inf") if up else float("-inf"))), r)

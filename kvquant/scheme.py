@@ -7,15 +7,35 @@ A scheme string is a comma-separated list of items:
     sink=N                first N tokens kept unquantized    sink=4
     window=N              last N (or more) tokens unquantized window=128
     PRESET                a named scheme                      kivi-2
+    layers=R:SPEC+R:K/V   per-layer specs over layer ranges   layers=0-3:int8+4-29:int4-g64
+                          (R is A-B or A; the ranges tile layers 0..N-1; K/V gives K and V apart)
+    calib=FILE            calibration file (codebooks) of     calib=calib/smollm2.safetensors
+                          `experiments/calibrate.py`
 
-SPEC is `fp16` or `int{8,4,2}` followed by options, in this order:
+SPEC is `fp16`, `int{8,4,2}` (uniform levels), `nuq{4,3,2}` (non-uniform levels: a per-layer codebook
+fitted offline, needs calib=) or `fp8-e4m3` / `fp8-e5m2` (torch's float8 codes) followed by options, in this
+order:
 
     (nothing)     token: one scale per token over all KV heads (H_kv x D)
     -head         one scale per (token, head) over D
     -gN           one scale per N consecutive channels of D within a (token, head)
     -channel-gN   one scale per (head, channel) over N consecutive tokens (KIVI's keys)
-    -sym / -asym  symmetric absmax or asymmetric min/max (default: sym for int8, asym for int4/int2)
+    -tensor       fp8 only: one fixed unit scale, nothing stored (vLLM's FP8 cache without calibrated
+                  scales; values beyond the format's range saturate)
+    -sym / -asym  symmetric absmax or asymmetric min/max (default: sym for int8, asym for int4/int2;
+                  fp8 is always absmax-scaled and takes neither)
     -sfp16 / -sbf16 / -sfp32   dtype of stored scales and zeros (default: the K/V dtype)
+
+then the research transforms (`kvquant.codec_transforms`), after all of the above, in this order:
+
+    -center[N]    subtract a per-(head, channel) offset, the mean of each N tokens (default 64), stored in
+                  the K/V dtype (16/N bits per value at FP16): keys with large per-channel offsets
+    -rot[S]       orthonormal Walsh-Hadamard rotation over D with random signs from seed S (default 0)
+    -outP         keep the top P% magnitudes of each (token, head) vector exact (FP16 value + index) and
+                  quantize the rest over the tighter range (0 < P <= 25: -out1, -out0.5)
+    -prerope      (keys only, last) stored before the rotary embedding; RoPE is re-applied on read
+
+`fp16-rot[S]` (rotation without quantization) is valid too: attention is unchanged up to rounding.
 """
 
 from __future__ import annotations
@@ -28,6 +48,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "Granularity",
+    "LayerSpecs",
     "QuantSpec",
     "Scheme",
     "SchemeError",
@@ -57,7 +78,23 @@ class Granularity(str, enum.Enum):
 # `kvquant.codec.torch_dtype` maps a name to its torch dtype.
 SCALE_DTYPES: tuple[str, ...] = ("fp16", "bf16", "fp32")
 _TORCH_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
-BITS = (16, 8, 4, 2)
+BITS = (16, 8, 4, 3, 2)
+CODEBOOK_BITS = (4, 3, 2)  # nuqN; 3 bits only for codebooks (packed 8 codes per 3 bytes)
+CALIBRATE_COMMAND = "python experiments/calibrate.py --model MODEL --scheme '{scheme}' --out calib/NAME.safetensors"
+FP8_KINDS: tuple[str, ...] = ("e4m3", "e5m2")  # torch.float8_e4m3fn, torch.float8_e5m2
+DEFAULT_CENTER = 64  # tokens per stored key offset of `-center`
+MAX_OUTLIER_PERCENT = 25.0
+
+
+def rotation_block(head_dim: int) -> int:
+    """Size of the Walsh-Hadamard blocks `-rot` applies over D: the largest power of two dividing head_dim
+    (all of D for 64, 128, 256; 32 for 96: a block-diagonal rotation)."""
+    return head_dim & -head_dim
+
+
+def outlier_count(percent: float, head_dim: int) -> int:
+    """Values kept exact per (token, head) vector by `-outP`: ceil(P% of D), at least 1."""
+    return max(1, math.ceil(percent * head_dim / 100 - 1e-9))
 
 
 @dataclass(frozen=True)
@@ -70,6 +107,15 @@ class QuantSpec:
     symmetric: absmax with signed codes, or min/max with a float zero point.
     scale_dtype: name of the dtype of stored scales and zeros ("fp16", "bf16", "fp32"); None stores them
         in the K/V dtype.
+    codebook: non-uniform levels (`nuqN`): each block is normalized to [-1, 1] by its scale (and centre) and
+        each value coded as the nearest of 2^bits levels fitted offline per layer and K/V (a calibration file).
+    prerope: keys stored before the rotary embedding (the cache inverts the model's RoPE on the way in and
+        re-applies it on read); keys only.
+    fp8: "e4m3" or "e5m2": FP8 codes (bits 8, absmax-scaled, so symmetric) instead of integers.
+    center: tokens per stored per-(head, channel) offset subtracted before quantizing (`-centerN`).
+    rotate: seed of the random signs of the Walsh-Hadamard rotation applied before quantizing (`-rotS`).
+    outliers: percent of each (token, head) vector's largest magnitudes kept exact (`-outP`).
+    unit_scale: fp8 only (`-tensor`): one fixed unit scale for everything, nothing stored (granularity unused).
     """
 
     bits: int
@@ -77,15 +123,27 @@ class QuantSpec:
     group_size: int | None = None
     symmetric: bool = False
     scale_dtype: str | None = None
+    codebook: bool = False
+    prerope: bool = False
+    fp8: str | None = None
+    center: int | None = None
+    rotate: int | None = None
+    outliers: float | None = None
+    unit_scale: bool = False
 
     def __post_init__(self) -> None:
         if self.bits not in BITS:
             raise SchemeError(f"bits={self.bits} is not supported; use one of {BITS}")
+        if self.codebook and self.bits not in CODEBOOK_BITS:
+            raise SchemeError(f"nuq{self.bits} is not supported; codebooks have {CODEBOOK_BITS} bits")
+        if self.bits == 3 and not self.codebook:
+            raise SchemeError("3 bits exist only as a codebook (nuq3); uniform specs are int8, int4 or int2")
         try:
             object.__setattr__(self, "granularity", Granularity(self.granularity))
         except ValueError:
             known = ", ".join(g.value for g in Granularity)
             raise SchemeError(f"unknown granularity {self.granularity!r}; known: {known}") from None
+        self._check_research()
         if self.bits == 16:
             # anything else would print as `fp16` and parse back as a different spec
             if (
@@ -93,9 +151,20 @@ class QuantSpec:
                 or self.granularity is not Granularity.TOKEN
                 or self.symmetric
                 or self.scale_dtype is not None
+                or self.codebook
             ):
-                raise SchemeError("fp16 takes no granularity, group size, symmetry or scale dtype")
+                raise SchemeError("fp16 takes no granularity, group size, symmetry or scale dtype (only -prerope)")
+            if self.fp8 is not None or self.center is not None or self.outliers is not None or self.unit_scale:
+                raise SchemeError("fp16 takes no fp8 kind, -tensor, -center or -out (only -rot: fp16-rot)")
             return
+        if self.unit_scale:
+            if self.fp8 is None:
+                raise SchemeError(
+                    "a fixed unit scale (-tensor) is for fp8 only, e.g. fp8-e4m3-tensor; "
+                    "an integer cache needs appendable scales (token, head, gN, channel-gN)"
+                )
+            if self.scale_dtype is not None or self.granularity is not Granularity.TOKEN:
+                raise SchemeError("fp8 -tensor stores no scale, so it takes no granularity or scale dtype")
         needs_group = self.granularity in (Granularity.GROUP, Granularity.CHANNEL)
         if needs_group and (self.group_size is None or self.group_size < 1):
             what = "channels" if self.granularity is Granularity.GROUP else "tokens"
@@ -115,6 +184,35 @@ class QuantSpec:
                 "(by name)"
             )
 
+    def _check_research(self) -> None:
+        """The fp8 kind and the research transforms (-center, -rot, -out)."""
+        if self.fp8 is not None:
+            if self.fp8 not in FP8_KINDS:
+                raise SchemeError(
+                    f"unknown fp8 kind {self.fp8!r}; known: " + ", ".join(f"fp8-{k}" for k in FP8_KINDS)
+                )
+            if self.bits != 8 or self.codebook:
+                raise SchemeError(f"fp8 codes are 8 bits and uniform in exponent, got bits={self.bits}")
+            object.__setattr__(self, "symmetric", True)  # absmax-scaled; one canonical value
+        for name in ("center", "rotate"):
+            n = getattr(self, name)
+            if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < (name == "center")):
+                what = "a positive number of tokens" if name == "center" else "a non-negative integer seed"
+                raise SchemeError(f"{name}={n!r} must be {what}")
+        if self.outliers is not None:
+            p = self.outliers
+            if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= MAX_OUTLIER_PERCENT:
+                raise SchemeError(
+                    f"outliers={p!r} must be a percentage in (0, {MAX_OUTLIER_PERCENT:g}], "
+                    "e.g. -out1 or -out0.5"
+                )
+            object.__setattr__(self, "outliers", float(p))
+
+    @property
+    def transforms(self) -> tuple[str, ...]:
+        """The research transforms around the base codec, outermost first: "center", "rotate", "outliers"."""
+        return tuple(n for n in ("center", "rotate", "outliers") if getattr(self, n) is not None)
+
     @property
     def is_quantized(self) -> bool:
         return self.bits < 16
@@ -126,8 +224,10 @@ class QuantSpec:
 
     @property
     def tokens_per_group(self) -> int:
-        """How many tokens must arrive before they can be quantized (N for CHANNEL, else 1)."""
-        return self.group_size if self.granularity is Granularity.CHANNEL else 1
+        """How many tokens must arrive before they can be quantized (N for CHANNEL, else 1; with -centerM,
+        the least common multiple with M)."""
+        n = self.group_size if self.granularity is Granularity.CHANNEL else 1
+        return math.lcm(n, self.center) if self.center is not None else n
 
     def check_head_dim(self, head_dim: int) -> None:
         """Refuse a group size that does not divide head_dim, naming both numbers."""
@@ -136,8 +236,15 @@ class QuantSpec:
                 f"group size {self.group_size} does not divide head_dim {head_dim}; "
                 f"pick a divisor of {head_dim} (for example -g{math.gcd(head_dim, 64)})"
             )
-        if self.is_quantized and head_dim % (8 // self.bits):
-            raise SchemeError(f"head_dim {head_dim} cannot be packed at {self.bits} bits")
+        if self.is_quantized and head_dim * self.bits % 8:
+            raise SchemeError(
+                f"head_dim {head_dim} cannot be packed at {self.bits} bits (head_dim * bits must be a multiple of 8)"
+            )
+        if self.rotate is not None and rotation_block(head_dim) < 8:
+            raise SchemeError(
+                f"-rot needs a head_dim with a power-of-two factor of at least 8 (Walsh-Hadamard blocks); "
+                f"head_dim {head_dim} has {rotation_block(head_dim)}"
+            )
 
     def __str__(self) -> str:
         return format_spec(self)
@@ -147,29 +254,117 @@ FP16 = QuantSpec(16)
 
 
 @dataclass(frozen=True)
+class LayerSpecs:
+    """The K and V specs of decoder layers first..last (inclusive) in a per-layer scheme."""
+
+    first: int
+    last: int
+    key: QuantSpec
+    value: QuantSpec
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.first, int) and isinstance(self.last, int) and 0 <= self.first <= self.last):
+            raise SchemeError(f"layer range {self.first}-{self.last} must be A-B with 0 <= A <= B")
+        if self.value.prerope:
+            raise SchemeError(f"-prerope applies to keys only (layers {self.first}-{self.last})")
+
+
+@dataclass(frozen=True)
 class Scheme:
-    """A K spec, a V spec, and how many first (sink) and last (window) tokens stay unquantized."""
+    """A K spec, a V spec, and how many first (sink) and last (window) tokens stay unquantized.
+
+    layers: per-layer specs (`layers=0-3:int8+4-29:int4-g64`), ranges tiling layers 0..N-1 in order; then
+        `key`/`value` are layer 0's and `for_layer(i)` gives layer i's uniform scheme (code that builds a layer
+        must use it; for a uniform scheme it is the scheme itself).
+    calib: path of a calibration file (`experiments/calibrate.py`) holding the codebooks of `nuqN` specs.
+    """
 
     key: QuantSpec
     value: QuantSpec
     sink: int = 0
     window: int = 0
     name: str | None = field(default=None, compare=False)  # the preset it came from, for display
+    layers: tuple[LayerSpecs, ...] = ()
+    calib: str | None = None
 
     def __post_init__(self) -> None:
         for what in ("sink", "window"):
             n = getattr(self, what)
             if not isinstance(n, int) or n < 0:
                 raise SchemeError(f"{what}={n!r} must be a non-negative integer")
+        if self.calib is not None and (not isinstance(self.calib, str) or not self.calib or "," in self.calib):
+            raise SchemeError(f"calib={self.calib!r} must be a file path without commas")
+        if self.layers:
+            layers = tuple(self.layers)
+            object.__setattr__(self, "layers", layers)
+            expect = 0
+            for r in layers:
+                if r.first < expect:
+                    raise SchemeError(
+                        f"layer ranges overlap or are out of order at {r.first}-{r.last} (layers before "
+                        f"{expect} are already given); write ranges in order, each layer once"
+                    )
+                if r.first > expect:
+                    gap = f"layer {expect}" if r.first - 1 == expect else f"layers {expect}-{r.first - 1}"
+                    raise SchemeError(
+                        f"{gap} missing from layers=; the ranges must cover every layer from 0 on, in order"
+                    )
+                expect = r.last + 1
+            if len(layers) == 1:
+                raise SchemeError("layers= with one range is a uniform scheme: write the spec alone")
+            object.__setattr__(self, "key", layers[0].key)
+            object.__setattr__(self, "value", layers[0].value)
+        if self.value.prerope:
+            raise SchemeError("-prerope applies to keys only: write k=SPEC-prerope,v=SPEC")
+
+    # ---- per layer
+
+    @property
+    def num_layers(self) -> int | None:
+        """Layers a per-layer scheme covers (the model must have exactly these), None for a uniform one."""
+        return self.layers[-1].last + 1 if self.layers else None
+
+    def for_layer(self, index: int) -> Scheme:
+        """Layer `index`'s scheme: uniform (no `layers`), with this scheme's sink, window and calib."""
+        if not self.layers:
+            return self
+        for r in self.layers:
+            if r.first <= index <= r.last:
+                return dataclasses.replace(self, key=r.key, value=r.value, layers=(), name=None)
+        raise SchemeError(f"layer {index} is not in this scheme's layers=, which covers layers 0-{self.num_layers - 1}")
+
+    def layer_specs(self) -> list[tuple[QuantSpec, QuantSpec]]:
+        """(key, value) of every distinct range (one pair for a uniform scheme)."""
+        return [(r.key, r.value) for r in self.layers] or [(self.key, self.value)]
+
+    def specs(self) -> list[QuantSpec]:
+        return [s for pair in self.layer_specs() for s in pair]
+
+    @property
+    def needs_calibration(self) -> bool:
+        return any(s.codebook for s in self.specs())
+
+    @property
+    def prerope(self) -> bool:
+        return any(s.prerope for s in self.specs())
+
+    def check_num_layers(self, num_layers: int) -> None:
+        """Refuse a per-layer scheme written for another number of layers, naming both."""
+        if self.layers and self.num_layers != num_layers:
+            raise SchemeError(
+                f"this scheme's layers= covers {self.num_layers} layers, but the model has {num_layers}; "
+                f"write ranges covering 0-{num_layers - 1}"
+            )
 
     @property
     def is_fp16(self) -> bool:
-        return not (self.key.is_quantized or self.value.is_quantized)
+        return not any(s.is_quantized for s in self.specs())
 
     @property
     def tokens_per_flush(self) -> int:
-        """Tokens move from the FP window to the quantized body in multiples of this."""
-        return math.lcm(self.key.tokens_per_group, self.value.tokens_per_group)
+        """Tokens move from the FP window to the quantized body in multiples of this (for a per-layer
+        scheme, a multiple of every layer's: use `for_layer(i).tokens_per_flush` for layer i)."""
+        return math.lcm(*(s.tokens_per_group for s in self.specs()))
 
     def quantized_end(self, num_tokens: int) -> int:
         """Once num_tokens tokens have arrived, positions [min(sink, num_tokens), quantized_end) are in the
@@ -179,8 +374,8 @@ class Scheme:
         return sink + max(num_tokens - sink - self.window, 0) // step * step
 
     def check_head_dim(self, head_dim: int) -> None:
-        self.key.check_head_dim(head_dim)
-        self.value.check_head_dim(head_dim)
+        for s in self.specs():
+            s.check_head_dim(head_dim)
 
     def __str__(self) -> str:
         return format_scheme(self)
@@ -188,7 +383,13 @@ class Scheme:
 
 # ----------------------------------------------------------------------------------------------- parsing
 
-_SPEC_RE = re.compile(r"^int(?P<bits>\d+)(?P<opts>(-[a-z0-9]+)*)$")
+_SPEC_RE = re.compile(
+    r"^(?:(?P<family>int|nuq)(?P<bits>\d+)|(?P<fp>fp16|bf16|fp32|none)|fp8(?:-(?P<fp8>[a-z0-9]+))?)"
+    r"(?P<opts>(-[a-z0-9.]+)*)$"
+)
+# research transforms, in the only order a spec may give them (after every other option)
+_RESEARCH_ORDER = ("center", "rotation", "outliers")
+_PREROPE = "-prerope"
 _PRESET_DEFS: dict[str, tuple[str, str]] = {
     "kivi-4": (
         "k=int4-channel-g32,v=int4-g32,window=128",
@@ -209,20 +410,45 @@ EXAMPLES: dict[str, str] = {
     "int2-g32": "asymmetric 2-bit, per 32 channels",
     "int4-g64-sym": "symmetric 4-bit, per 64 channels",
     "k=int4-channel-g64,v=int4-g64,sink=4,window=128": "K per channel (groups of 64 tokens), V per group",
+    "k=int4-channel-g64-prerope,v=int4-g64": "K per channel, stored before RoPE (re-applied on read)",
+    "k=fp16-prerope,v=fp16": "pre-RoPE storage alone (equals the model exactly)",
+    "nuq4-g64,calib=calib/smollm2-nuq.safetensors": "4-bit non-uniform levels per layer and K/V, per 64 channels",
+    "k=nuq3-channel-g64-prerope,v=nuq3-g64,calib=calib/smollm2-nuq.safetensors": "KVQuant-style 3-bit",
+    "nuq2-g32,calib=calib/smollm2-nuq.safetensors": "2-bit non-uniform levels, per 32 channels",
+    "layers=0-1:int8+2-29:int4-g64": "per-layer specs: layers 0-1 int8, 2-29 int4-g64 (30-layer model)",
+    "layers=0:int8/int4-g64+1-29:int4-channel-g64/int2-g32,window=128": "per-layer K/V specs (K/V)",
+    "fp8-e4m3": "FP8 E4M3 (torch.float8_e4m3fn), one absmax scale per token over all heads",
+    "fp8-e4m3-head": "FP8 E4M3, one scale per (token, head)",
+    "fp8-e5m2-head": "FP8 E5M2 (torch.float8_e5m2), one scale per (token, head)",
+    "fp8-e4m3-tensor": "FP8 E4M3, fixed unit scale, nothing stored (vLLM uncalibrated; saturates at 448)",
+    "int4-g64-rot": "Walsh-Hadamard rotation over D (random signs, seed 0), then int4-g64; -rot7: seed 7",
+    "k=int2-channel-g32-rot,v=int2-g32-rot,window=128": "KIVI-2 layout, K and V rotated",
+    "int4-g64-out1": "top 1% magnitudes per (token, head) kept FP16 + uint8 index, the rest int4-g64",
+    "k=int4-g64-center,v=int4-g64": "keys minus a per-channel offset (mean of each 64 tokens, FP16)",
+    "int4-g64-center-rot-out1": "the three transforms: center, then rotate, then split outliers",
+    "fp16-rot": "rotation alone, no quantization (attention unchanged up to rounding)",
 }
 
 
 def _spec_error(text: str, why: str) -> SchemeError:
     return SchemeError(
-        f"bad quantization spec {text!r}: {why}. A spec is fp16 or int8/int4/int2 followed by "
-        "[-head | -gN | -channel-gN] [-sym | -asym] [-sfp16 | -sbf16 | -sfp32]; examples: "
-        "int8, int8-head, int4-g64, int2-g32-sym, int4-channel-g64"
+        f"bad quantization spec {text!r}: {why}. A spec is fp16, int8/int4/int2, nuq4/nuq3/nuq2 or "
+        "fp8-e4m3/fp8-e5m2 followed by [-head | -gN | -channel-gN | -tensor (fp8)] [-sym | -asym] "
+        "[-sfp16 | -sbf16 | -sfp32], then in this order [-center[N]] [-rot[SEED]] [-outP] [-prerope (keys)]; "
+        "examples: int8, int8-head, int4-g64, int2-g32-sym, int4-channel-g64, nuq3-g64, "
+        "int4-channel-g64-prerope, fp8-e4m3-head, int4-g64-rot, int4-g64-center, int4-g64-out0.5, fp16-rot"
     )
 
 
 def _option_kind(opt: str) -> str | None:
-    if opt in ("head", "channel") or re.fullmatch(r"g\d+", opt):
+    if opt in ("head", "channel", "tensor") or re.fullmatch(r"g\d+", opt):
         return "granularity"
+    if re.fullmatch(r"center\d*", opt):
+        return "center"
+    if re.fullmatch(r"rot\d*", opt):
+        return "rotation"
+    if re.fullmatch(r"out[0-9.]*", opt):
+        return "outliers"
     if opt in ("sym", "asym"):
         return "symmetry"
     if opt.startswith("s") and opt[1:] in SCALE_DTYPES:
@@ -239,17 +465,37 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
             f"parse_spec takes a spec string such as 'int4-g64' or a QuantSpec, not {type(text).__name__}"
         )
     text = text.strip().lower()
+    if text.endswith(_PREROPE) and _PREROPE not in text[: -len(_PREROPE)]:
+        return dataclasses.replace(parse_spec(text[: -len(_PREROPE)]), prerope=True)
+    if _PREROPE in text:
+        raise _spec_error(text, "-prerope comes last, once")
     if text in ("fp16", "bf16", "fp32", "none", "int16"):
         return FP16
     m = _SPEC_RE.match(text)
     if not m:
-        raise _spec_error(text, "it does not start with fp16 or int<bits>")
-    bits = int(m["bits"])
-    if bits not in (8, 4, 2):
-        raise _spec_error(text, f"int{bits} is not supported (bits must be 8, 4 or 2)")
+        raise _spec_error(text, "it does not start with fp16, int<bits>, nuq<bits> or fp8-<kind>")
+    fp8 = m["fp8"]
+    if m["fp"]:  # fp16 with options: fp16-rot
+        bits, codebook = 16, False
+    elif m["family"] is None:  # fp8-<kind>
+        if fp8 not in FP8_KINDS:
+            known = " or ".join(f"fp8-{k}" for k in FP8_KINDS)
+            why = f"unknown fp8 kind {fp8!r}; known: {known}" if fp8 else f"fp8 needs a kind: {known}"
+            raise _spec_error(text, why)
+        bits, codebook = 8, False
+    else:
+        bits = int(m["bits"])
+        codebook = m["family"] == "nuq"
+        if codebook and bits not in CODEBOOK_BITS:
+            raise _spec_error(text, f"nuq{bits} is not supported (codebook bits must be 4, 3 or 2)")
+        if not codebook and bits not in (8, 4, 2):
+            raise _spec_error(text, f"int{bits} is not supported (bits must be 8, 4 or 2)")
     opts = [o for o in m["opts"].split("-") if o]
     granularity, group_size, symmetric, scale_dtype = Granularity.TOKEN, None, None, None
+    center = rotate = outliers = None
+    unit_scale = False
     seen: dict[str, str] = {}  # option kind -> the option given, to refuse a second one of a kind
+    research: list[str] = []  # the research transforms given so far (their order is fixed)
     i = 0
     while i < len(opts):
         opt = opts[i]
@@ -257,7 +503,35 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
         if kind is not None and kind in seen:
             raise _spec_error(text, f"-{opt} conflicts with -{seen[kind]} (one {kind} option at most)")
         seen[kind] = opt
-        if opt == "head":
+        if kind in _RESEARCH_ORDER:
+            if research and _RESEARCH_ORDER.index(kind) < _RESEARCH_ORDER.index(_option_kind(research[-1])):
+                why = f"-{opt} must come before -{research[-1]} (order: -center, -rot, -out)"
+                raise _spec_error(text, why)
+            research.append(opt)
+        elif research:
+            raise _spec_error(
+                text,
+                f"-{opt} must come before -{research[0]}: granularity, symmetry and scale dtype first, "
+                "then -center, -rot, -out",
+            )
+        if bits == 16 and kind != "rotation":
+            raise _spec_error(text, f"fp16 takes no -{opt} (only -rot, as in fp16-rot, and -prerope)")
+        if fp8 is not None and kind == "symmetry":
+            raise _spec_error(text, f"fp8 is always absmax-scaled; drop -{opt}")
+        unit_scale = unit_scale or opt == "tensor"
+        if fp8 is None and opt == "tensor":
+            raise _spec_error(text, "-tensor (one fixed unit scale) is for fp8 only, e.g. fp8-e4m3-tensor")
+        if kind == "center":
+            center = int(opt[6:]) if opt[6:] else DEFAULT_CENTER
+        elif kind == "rotation":
+            rotate = int(opt[3:] or 0)
+        elif kind == "outliers":
+            if not re.fullmatch(r"out\d+(\.\d+)?", opt):
+                raise _spec_error(text, f"-{opt}: -out needs a percentage, as in -out1 or -out0.5")
+            outliers = float(opt[3:])
+        elif opt == "tensor":
+            pass  # unit_scale, above
+        elif opt == "head":
             granularity = Granularity.HEAD
         elif opt == "channel":
             granularity = Granularity.CHANNEL
@@ -278,30 +552,66 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
         symmetric = bits == 8
     if group_size == 0:
         raise _spec_error(text, "a group size must be at least 1")
-    return QuantSpec(bits, granularity, group_size, symmetric, scale_dtype)
+    if center == 0:
+        raise _spec_error(text, "-center needs at least 1 token per offset")
+    if outliers is not None and not 0 < outliers <= MAX_OUTLIER_PERCENT:
+        raise _spec_error(text, f"-out{outliers:g} must keep a percentage in (0, {MAX_OUTLIER_PERCENT:g}]")
+    if bits == 16:
+        return QuantSpec(16, rotate=rotate)
+    return QuantSpec(
+        bits, granularity, group_size, symmetric, scale_dtype, codebook=codebook,
+        fp8=fp8, center=center, rotate=rotate, outliers=outliers, unit_scale=unit_scale,
+    )
 
 
 def format_spec(spec: QuantSpec) -> str:
     """The canonical string of a spec; parse_spec(format_spec(s)) == s."""
     if not spec.is_quantized:
-        return "fp16"
-    parts = [f"int{spec.bits}"]
-    if spec.granularity is Granularity.HEAD:
+        return "-".join(["fp16", *_format_research(spec)]) + (_PREROPE if spec.prerope else "")
+    parts = [f"fp8-{spec.fp8}" if spec.fp8 is not None else f"{'nuq' if spec.codebook else 'int'}{spec.bits}"]
+    if spec.unit_scale:
+        parts.append("tensor")
+    elif spec.granularity is Granularity.HEAD:
         parts.append("head")
     elif spec.granularity is Granularity.GROUP:
         parts.append(f"g{spec.group_size}")
     elif spec.granularity is Granularity.CHANNEL:
         parts.append(f"channel-g{spec.group_size}")
-    if spec.symmetric != (spec.bits == 8):
+    if spec.fp8 is None and spec.symmetric != (spec.bits == 8):
         parts.append("sym" if spec.symmetric else "asym")
     if spec.scale_dtype is not None:
         parts.append("s" + spec.scale_dtype)
+    parts += _format_research(spec)
+    if spec.prerope:
+        parts.append(_PREROPE[1:])
     return "-".join(parts)
+
+
+def _format_research(spec: QuantSpec) -> list[str]:
+    """-center[N] -rot[S] -outP, in the grammar's order (defaults left out)."""
+    parts = []
+    if spec.center is not None:
+        parts.append("center" if spec.center == DEFAULT_CENTER else f"center{spec.center}")
+    if spec.rotate is not None:
+        parts.append("rot" if spec.rotate == 0 else f"rot{spec.rotate}")
+    if spec.outliers is not None:
+        parts.append(f"out{spec.outliers:g}")
+    return parts
+
+
+def _format_pair(key: QuantSpec, value: QuantSpec) -> str:
+    return format_spec(key) if key == value else f"{format_spec(key)}/{format_spec(value)}"
 
 
 def format_scheme(scheme: Scheme) -> str:
     """The canonical string of a scheme; parse_scheme(format_scheme(s)) == s."""
-    if scheme.key == scheme.value:
+    if scheme.layers:
+        ranges = [
+            f"{r.first}{'' if r.first == r.last else f'-{r.last}'}:{_format_pair(r.key, r.value)}"
+            for r in scheme.layers
+        ]
+        items = ["layers=" + "+".join(ranges)]
+    elif scheme.key == scheme.value:
         items = [format_spec(scheme.key)]
     else:
         items = [f"k={format_spec(scheme.key)}", f"v={format_spec(scheme.value)}"]
@@ -309,15 +619,40 @@ def format_scheme(scheme: Scheme) -> str:
         items.append(f"sink={scheme.sink}")
     if scheme.window:
         items.append(f"window={scheme.window}")
+    if scheme.calib is not None:
+        items.append(f"calib={scheme.calib}")
     return ",".join(items)
 
 
 def _scheme_error(text: str, why: str) -> SchemeError:
     return SchemeError(
         f"bad scheme {text!r}: {why}.\nKnown schemes and presets: {', '.join(list_schemes())}.\n"
-        "Grammar: SPEC | k=SPEC,v=SPEC, optionally with ,sink=N and ,window=N "
-        "(see `python experiments/run.py --list-schemes`)"
+        "Grammar: SPEC | k=SPEC,v=SPEC | layers=A-B:SPEC[/VSPEC]+C-D:..., optionally with ,sink=N ,window=N "
+        ",calib=FILE (see `python experiments/run.py --list-schemes`)"
     )
+
+
+_RANGE_RE = re.compile(r"^(?P<first>\d+)(-(?P<last>\d+))?$")
+
+
+def _parse_layers(val: str) -> tuple[LayerSpecs, ...]:
+    """`0-3:int8+4-29:int4-channel-g64/int4-g64` (`;` separates ranges too) -> LayerSpecs in order."""
+    out = []
+    for part in re.split(r"[+;]", val):
+        rng, colon, specs = part.partition(":")
+        m = _RANGE_RE.match(rng)
+        if not colon or not m or not specs:
+            raise SchemeError(
+                f"bad layer range {part!r} in layers=: write A-B:SPEC or A:SPEC (K/V specs as KSPEC/VSPEC), "
+                "ranges joined by +, e.g. layers=0-3:int8+4-29:int4-channel-g64/int4-g64"
+            )
+        first = int(m["first"])
+        last = int(m["last"]) if m["last"] is not None else first
+        k, slash, v = specs.partition("/")
+        key = parse_spec(k)
+        value = parse_spec(v) if slash else key
+        out.append(LayerSpecs(first, last, key, value))
+    return tuple(out)
 
 
 def parse_scheme(text: str | Scheme) -> Scheme:
@@ -334,9 +669,10 @@ def parse_scheme(text: str | Scheme) -> Scheme:
     raw = text.strip().lower().replace(" ", "")
     if raw in _PRESET_DEFS:
         return dataclasses.replace(parse_scheme(_PRESET_DEFS[raw][0]), name=raw)
-    both = key = value = None
+    both = key = value = layers = calib = None
     ints: dict[str, int] = {}
-    for item in raw.split(","):
+    originals = text.strip().replace(" ", "").split(",")  # a calib= path keeps its case
+    for item, original in zip(raw.split(","), originals):
         name, eq, val = item.partition("=")
         try:
             if not eq:
@@ -355,19 +691,42 @@ def parse_scheme(text: str | Scheme) -> Scheme:
                 if not val.isdigit():
                     raise _scheme_error(text, f"{name}={val!r} is not a non-negative integer")
                 ints[name] = int(val)
+            elif name == "layers":
+                layers = _parse_layers(val)
+            elif name == "calib":
+                calib = original.partition("=")[2]
+                if not calib:
+                    raise _scheme_error(text, "calib= needs a file path (written by experiments/calibrate.py)")
             else:
-                raise _scheme_error(text, f"unknown item {name!r} (valid: k=, v=, sink=, window=)")
+                raise _scheme_error(
+                    text, f"unknown item {name!r} (valid: k=, v=, sink=, window=, layers=, calib=)"
+                )
         except SchemeError as e:
             if str(e).startswith("bad scheme"):
                 raise
             raise _scheme_error(text, str(e)) from None
-    if both is not None and (key is not None or value is not None):
+    if layers is not None:
+        if both is not None or key is not None or value is not None:
+            raise _scheme_error(text, "give either a spec (or k= and v=) or layers=, not both")
+        key, value = layers[0].key, layers[0].value
+    elif both is not None and (key is not None or value is not None):
         raise _scheme_error(text, "give either one spec for both or k= and v=, not both")
-    if both is None and (key is None or value is None):
+    elif both is None and (key is None or value is None):
         raise _scheme_error(text, "k= needs a matching v= (and the other way round)")
     if both is not None:
         key = value = both
-    return Scheme(key, value, ints.get("sink", 0), ints.get("window", 0))
+    try:
+        scheme = Scheme(key, value, ints.get("sink", 0), ints.get("window", 0), layers=layers or (), calib=calib)
+    except SchemeError as e:
+        raise _scheme_error(text, str(e)) from None
+    if scheme.needs_calibration and scheme.calib is None:
+        raise _scheme_error(
+            text,
+            "nuqN specs need codebooks fitted offline; run `"
+            + CALIBRATE_COMMAND.format(scheme=str(scheme))
+            + "` and add ,calib=calib/NAME.safetensors to the scheme",
+        )
+    return scheme
 
 
 def list_schemes() -> list[str]:

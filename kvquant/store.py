@@ -23,14 +23,26 @@ holds a free page; `check()` verifies them.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from .codec import Field
+from .codec import Codec, Field, codec_for
+from .memory import KVShape
+from .scheme import parse_scheme
 
-__all__ = ["BlockTable", "PagePool", "Region", "StoreError", "effective_block_size", "gather_region"]
+__all__ = [
+    "BlockTable",
+    "BudgetError",
+    "KVStore",
+    "LayerPools",
+    "PagePool",
+    "Region",
+    "StoreError",
+    "effective_block_size",
+    "gather_region",
+]
 
 
 class StoreError(RuntimeError):
@@ -81,6 +93,9 @@ class PagePool:
         }
         self._refs = [0] * capacity
         self._free = list(range(capacity - 1, -1, -1))  # pop() hands out the lowest id first
+        # called with this pool before a page is handed out: a shared `KVStore` enforces its byte budget
+        # here (evicting, or raising BudgetError); None for a private pool
+        self.on_allocate: Callable[[PagePool], None] | None = None
 
     # ---- sizes
 
@@ -113,6 +128,8 @@ class PagePool:
 
     def allocate(self) -> int:
         """A free page with reference count 1 (its contents are whatever was there)."""
+        if self.on_allocate is not None:
+            self.on_allocate(self)
         if not self._free:
             self._grow(self.capacity * 2)
         page = self._free.pop()
@@ -166,13 +183,20 @@ class PagePool:
         cols_f); table (B, n) maps logical pages (from 0) to page ids. start is a multiple of each field's
         `tokens`. The pages must be present and writable (`BlockTable.prepare`)."""
         for name, v in values.items():
-            f = self.fields[name]
+            f, dest = self.fields[name], self.tensors[name]
             rows_per_page = self.block_size // f.tokens
-            r = torch.arange(start // f.tokens, start // f.tokens + v.shape[2], device=table.device)
+            r0, n = start // f.tokens, v.shape[2]
+            if v.dtype != dest.dtype:
+                v = v.to(dest.dtype)
+            if r0 // rows_per_page == (r0 + n - 1) // rows_per_page:  # one page per sequence: a slice write
+                pages = table[:, r0 // rows_per_page]  # (B,)
+                row = r0 % rows_per_page
+                dest[pages, :, row : row + n] = v  # (B, heads_f, n, cols_f)
+                continue
+            r = torch.arange(r0, r0 + n, device=table.device)
             pages = table[:, r // rows_per_page]  # (B, n_rows)
-            dest = self.tensors[name]
             # advanced indices around a slice put their dims first: (B, n_rows, heads_f, cols_f)
-            dest[pages.to(dest.device), :, (r % rows_per_page).to(dest.device)] = v.transpose(1, 2).to(dest.dtype)
+            dest[pages, :, r % rows_per_page] = v.transpose(1, 2)
 
     def gather(self, region: Region, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
         """The region's tokens as contiguous fields {name: (B, heads_f, rows, cols_f)} (a copy)."""
@@ -205,7 +229,8 @@ class BlockTable:
         self.pool = pool
         self.rows: list[list[int]] = [[] for _ in range(batch)]
         self.first = 0
-        self._tensor: torch.Tensor | None = None
+        self._buf: torch.Tensor | None = None  # (B, capacity) on the pool's device; columns [0, _synced) valid
+        self._synced = 0
 
     @property
     def batch(self) -> int:
@@ -224,15 +249,28 @@ class BlockTable:
         return {p for row in self.rows for p in row}
 
     def tensor(self) -> torch.Tensor:
-        """(B, num_pages) int64 on the pool's device; rebuilt only after the table changed."""
-        if self._tensor is None:
-            self._tensor = torch.tensor(self.rows, dtype=torch.int64, device=self.pool.device).reshape(
-                self.batch, self.num_pages
-            )
-        return self._tensor
+        """(B, num_pages) int64 on the pool's device (a view of a buffer that grows by doubling; appending a
+        page writes one column, anything else rebuilds it)."""
+        n = self.num_pages
+        if self._buf is None or self._synced != n:
+            cap = max(16, 2 * n)
+            self._buf = torch.zeros((self.batch, cap), dtype=torch.int64, device=self.pool.device)
+            if n:
+                self._buf[:, :n] = torch.tensor(self.rows, dtype=torch.int64).reshape(self.batch, n)
+            self._synced = n
+        return self._buf[:, :n]
 
     def _changed(self) -> None:
-        self._tensor = None
+        self._synced = -1
+
+    def _appended(self) -> None:
+        """Every row got one page at its end: write that column in place when the buffer is in sync."""
+        n = self.num_pages
+        if self._buf is not None and self._synced == n - 1 and n <= self._buf.shape[1]:
+            self._buf[:, n - 1] = torch.tensor([row[-1] for row in self.rows], dtype=torch.int64)
+            self._synced = n
+        else:
+            self._changed()
 
     def prepare(self, lo: int, hi: int) -> None:
         """Make logical pages [lo, hi) present and exclusively owned by each row: allocate missing pages at
@@ -246,7 +284,7 @@ class BlockTable:
         while self.end < hi:
             for row in self.rows:
                 row.append(self.pool.allocate())
-            self._changed()
+            self._appended()
         for row in self.rows:
             for j in range(lo - self.first, hi - self.first):
                 if self.pool.refcount(row[j]) > 1:
@@ -304,6 +342,18 @@ class BlockTable:
         self.truncate(self.first)
         self.first = 0
 
+    def adopt(self, first: int, pages: list[int]) -> None:
+        """An empty one-row table takes `pages` (logical pages first, first + 1, ...) by reference
+        (incref): the pages of a cached prefix. A later write into one of them copies it first."""
+        if self.batch != 1 or self.num_pages:
+            raise StoreError(f"adopt needs an empty one-row table, this one has {self.batch} rows "
+                             f"and {self.num_pages} pages")
+        for page in pages:
+            self.pool.incref(page)
+        self.rows[0] = list(pages)
+        self.first = first if pages else 0
+        self._changed()
+
     def select(self, indices: list[int]) -> None:
         """Rows become [rows[i] for i in indices]; pages are shared by reference, never copied."""
         rows = [list(self.rows[i]) for i in indices]
@@ -320,3 +370,168 @@ class BlockTable:
 def effective_block_size(block_size: int, *token_groups: int) -> int:
     """The smallest multiple of block_size that holds whole token groups of every codec."""
     return math.lcm(block_size, *token_groups)
+
+
+# ------------------------------------------------------------------------------------------ shared store
+
+
+class BudgetError(RuntimeError):
+    """A shared store's byte budget is spent and nothing can be evicted; the message names the budget and
+    what holds it."""
+
+
+@dataclass(frozen=True)
+class LayerPools:
+    """One decoder layer's pools in a `KVStore`: FP pages (sink and window) and body pages (codec fields of
+    K and V under one page id), with the codecs and the effective block size they were made for."""
+
+    fp: PagePool
+    body: PagePool
+    key_codec: Codec
+    value_codec: Codec
+    block_size: int
+    sliding_window: int | None
+    fp_page_bytes: int  # bytes of one page at the store's accounting dtype (the budget's unit)
+    body_page_bytes: int
+
+
+class KVStore:
+    """Page pools for every decoder layer of one model, shared by many `QuantizedCache` objects (one per
+    request): pages of a common prefix are held once and shared by reference count.
+
+        store = KVStore(model.config, "int4-g64", budget_bytes=64 << 20)
+        cache = QuantizedCache("int4-g64", model.config, store=store)
+
+    Bytes are counted at `accounting_dtype` (FP16 by default: what a deployment stores, whatever dtype the
+    CPU computes in), so `held_bytes()` of one request equals `kvquant.memory.cache_bytes(..., dtype=fp16)`.
+    With `budget_bytes`, every page allocation first checks the budget: over it, `evictor` (set by the
+    serving layer: bytes needed -> bytes freed) frees unreferenced cached pages; when it frees nothing,
+    `BudgetError` names the budget and each holder (`holders`: name -> bytes held).
+    """
+
+    def __init__(
+        self,
+        config,
+        scheme,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        block_size: int = 16,
+        capacity_tokens: int = 256,
+        budget_bytes: int | None = None,
+        accounting_dtype: torch.dtype | None = torch.float16,
+    ):
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive (or None for no budget), got {budget_bytes}")
+        self.scheme = parse_scheme(scheme)
+        self.shape = KVShape.from_config(config)
+        self.scheme.check_head_dim(self.shape.head_dim)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.budget_bytes = budget_bytes
+        self.evictor: Callable[[int], int] | None = None
+        self.evictor_label = "eviction"  # how the budget error names the evictor
+        self.holders: dict[str, Callable[[], int]] = {}
+        self.evicted_pages = 0  # pages (summed over layers) freed by the evictor
+        self.peak_bytes = 0  # the most bytes held at any allocation
+        acc = accounting_dtype or dtype
+        h, d = self.shape.num_kv_heads, self.shape.head_dim
+        self.layers: list[LayerPools] = []
+        for i in range(self.shape.num_layers):
+            window = self.shape.window_of(i)
+            # per-layer specs as the cache's layers get them; codecs here only size the pages (a layer
+            # encodes with its own, which carry calibration tables and RoPE)
+            si = self.scheme.for_layer(i) if getattr(self.scheme, "layers", ()) else self.scheme
+            kc = codec_for(si.key, h, d, dtype, layer=i, role="k")
+            vc = codec_for(si.value, h, d, dtype, layer=i, role="v")
+            bs = effective_block_size(block_size, kc.token_group, vc.token_group)
+            pages = max(-(-capacity_tokens // bs), 1)
+            fp_field = Field(h, 1, d, dtype)
+            fp = PagePool({"k": fp_field, "v": fp_field}, bs, self.device, pages, f"fp[{i}]")
+            body_fields = {f"k.{n}": f for n, f in kc.fields().items()}
+            body_fields |= {f"v.{n}": f for n, f in vc.fields().items()}
+            body = PagePool(body_fields, bs, self.device, pages, f"body[{i}]")
+            akc = codec_for(si.key, h, d, acc, layer=i, role="k")
+            avc = codec_for(si.value, h, d, acc, layer=i, role="v")
+            fp_b = 2 * Field(h, 1, d, acc).nbytes(bs)
+            for pool in (fp, body):
+                pool.on_allocate = self._before_allocate
+            self.layers.append(LayerPools(fp, body, kc, vc, bs, window, fp_b, akc.bytes(bs) + avc.bytes(bs)))
+
+    # ---- sizes
+
+    @property
+    def block_size(self) -> int:
+        return self.layers[0].block_size
+
+    @property
+    def shareable(self) -> bool:
+        """Whether prefixes can be shared: not across sliding-window layers, which release their pages."""
+        return not self.shape.sliding_layers
+
+    def pool_bytes(self, pool: PagePool) -> int:
+        """Bytes of one page of `pool` at the accounting dtype."""
+        for lp in self.layers:
+            if pool is lp.fp:
+                return lp.fp_page_bytes
+            if pool is lp.body:
+                return lp.body_page_bytes
+        raise StoreError(f"{pool!r} is not a pool of this store")
+
+    def held_bytes(self) -> int:
+        """Bytes of the pages in use (reference count > 0) over every layer, at the accounting dtype."""
+        return sum(
+            lp.fp.in_use * lp.fp_page_bytes + lp.body.in_use * lp.body_page_bytes for lp in self.layers
+        )
+
+    def pages_in_use(self) -> int:
+        return sum(lp.fp.in_use + lp.body.in_use for lp in self.layers)
+
+    def reserved_bytes(self) -> int:
+        """Bytes the pools have preallocated (at the compute dtype), used or not."""
+        return sum(lp.fp.reserved_bytes + lp.body.reserved_bytes for lp in self.layers)
+
+    def tables_bytes(self, tables_per_layer) -> int:
+        """Bytes of the distinct pages that per-layer (fp tables, body tables) hold (accounting dtype)."""
+        total = 0
+        for lp, (fp_tables, body_tables) in zip(self.layers, tables_per_layer, strict=True):
+            fp = set().union(*(t.pages() for t in fp_tables)) if fp_tables else set()
+            body = set().union(*(t.pages() for t in body_tables)) if body_tables else set()
+            total += len(fp) * lp.fp_page_bytes + len(body) * lp.body_page_bytes
+        return total
+
+    def check(self) -> None:
+        for lp in self.layers:
+            lp.fp.check()
+            lp.body.check()
+
+    def __repr__(self) -> str:
+        budget = "no budget" if self.budget_bytes is None else f"budget {self.budget_bytes:,} B"
+        return (f"KVStore({self.scheme}, {len(self.layers)} layers, block_size={self.block_size}, "
+                f"{self.held_bytes():,} B held, {budget})")
+
+    # ---- the budget
+
+    def _before_allocate(self, pool: PagePool) -> None:
+        need = self.pool_bytes(pool)
+        if self.budget_bytes is not None:
+            while self.held_bytes() + need > self.budget_bytes:
+                short = self.held_bytes() + need - self.budget_bytes
+                freed = self.evictor(short) if self.evictor is not None else 0
+                if freed <= 0:
+                    raise BudgetError(self.budget_message(need))
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes() + need)
+
+    def budget_message(self, need: int) -> str:
+        held = self.held_bytes()
+        parts = []
+        for name, fn in self.holders.items():
+            parts.append(f"{name}: {fn():,} B")
+        holders = "; ".join(parts) if parts else f"{self.pages_in_use()} pages in use, no holder registered"
+        why = "no eviction policy"
+        if self.evictor is not None:
+            why = f"{self.evictor_label}: every cached page is referenced"
+        return (
+            f"KV-cache budget of {self.budget_bytes:,} B is spent: {held:,} B held and a page of {need:,} B "
+            f"is needed; held by {holders} (shared pages count in each holder). Nothing can be evicted "
+            f"({why}): raise the budget, use a smaller scheme, or finish a request"
+        )

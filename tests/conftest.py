@@ -11,6 +11,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
 from tiny_models import make_tiny_model  # noqa: E402
 from transformers import LlamaForCausalLM  # noqa: E402
 
@@ -19,6 +20,10 @@ import kvquant  # noqa: E402
 # The tiny model's matmuls are far too small to gain from threads, and on a shared 2-core machine the
 # threads' synchronisation makes a forward ~10x slower; one thread keeps the suite at seconds.
 torch.set_num_threads(1)
+
+# Hypothesis's default 200 ms deadline per example fails on a busy machine: no test here races the clock.
+settings.register_profile("kvquant", deadline=None)
+settings.load_profile("kvquant")
 
 
 @pytest.fixture(scope="session")

@@ -80,8 +80,8 @@ def test_packed_size(n, bits, size):
 
 
 def test_errors():
-    with pytest.raises(ValueError, match="bits must be 2, 4 or 8"):
-        pack(torch.zeros(4, dtype=torch.uint8), 3)
+    with pytest.raises(ValueError, match="bits must be 2, 3, 4 or 8"):
+        pack(torch.zeros(4, dtype=torch.uint8), 5)  # 3 bits pack 8 codes per 3 bytes (tests/test_nuq.py)
     with pytest.raises(TypeError, match="uint8"):
         pack(torch.zeros(4, dtype=torch.int32), 4)
     with pytest.raises(TypeError, match="uint8"):

@@ -38,3 +38,9 @@ def tiny_corpus(tmp_path_factory) -> Path:
         (path / f"doc{i}.txt").write_text(make_text(500, i))
     (path / "short.txt").write_text("too short")
     return path
+
+
+@pytest.fixture(autouse=True)
+def _reference_cache(tmp_path_factory, monkeypatch):
+    """Reference passes cached by eval tests go to a temporary folder, never the user's cache."""
+    monkeypatch.setenv("KVQUANT_REFERENCE_CACHE", str(tmp_path_factory.getbasetemp() / "reference-cache"))

@@ -49,3 +49,20 @@ def test_corpus_errors(tmp_path):
     (tmp_path / "bad.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
     with pytest.raises(CorpusError, match="'text' field"):
         load_corpus(tmp_path / "bad.jsonl")
+
+
+def test_check_corpus_is_cheap_and_clear(tmp_path):
+    from kvquant.eval.data import check_corpus
+
+    check_corpus("shakespeare")
+    (tmp_path / "a.txt").write_text("text")
+    check_corpus(tmp_path)
+    check_corpus(tmp_path / "a.txt")
+    with pytest.raises(CorpusError, match="does not exist .*known names: wikipedia, shakespeare"):
+        check_corpus("wikipedai")
+    (tmp_path / "t.csv").write_text("a,b\n")
+    with pytest.raises(CorpusError, match="neither text .* nor JSON lines"):
+        check_corpus(tmp_path / "t.csv")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(CorpusError, match="no .txt/.md/.text/.jsonl/.json files under"):
+        check_corpus(tmp_path / "empty")

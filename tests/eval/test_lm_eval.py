@@ -5,6 +5,7 @@ chunking; int2-g32 must move the numbers. Everything runs on the tiny random Lla
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -22,6 +23,7 @@ import kvquant
 
 REPO = Path(__file__).resolve().parents[2]
 TASKS = REPO / "eval" / "tasks"
+HANG_LIMIT_S = 30 * 60  # a subprocess limit that only catches a hang, never a slow machine
 ATOL = 1e-4  # nats per request: fp32 sums over different chunkings of the same attention
 
 CONTEXT = "The cache of keys and values grows with every token, so long documents"
@@ -223,7 +225,7 @@ socket.socket.connect = connect
 """
 
 
-@pytest.mark.slow  # ~30-50 s: a fresh interpreter, and the CLI indexes all of lm-eval's built-in tasks
+@pytest.mark.slow  # a fresh interpreter, and the CLI indexes all of lm-eval's built-in tasks
 def test_cli_runs_a_shipped_task_with_the_network_blocked(tmp_path, tiny_model_dir):
     """The shell command users type, in a subprocess whose sitecustomize blocks every internet socket."""
     (tmp_path / "guard").mkdir()
@@ -254,8 +256,91 @@ def test_cli_runs_a_shipped_task_with_the_network_blocked(tmp_path, tiny_model_d
         "--output_path",
         str(tmp_path / "out"),
     ]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=HANG_LIMIT_S, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "network blocked" not in proc.stderr
     assert "kvquant_mmlu" in proc.stdout and "acc" in proc.stdout
     assert list((tmp_path / "out").rglob("results_*.json"))
+
+
+BAD_MODEL_ARGS = [
+    ({"scheme": "int5"}, kvquant.SchemeError, "Known schemes"),
+    ({"scheme": "k=int4-g64;v=int9"}, kvquant.SchemeError, "int9 is not supported"),
+    ({"chunk": 0}, ValueError, "chunk=0 must be a positive integer"),
+    ({"chunk": "64"}, TypeError, "chunk must be an int .*not str '64'"),
+    ({"backend": "cuda-magic"}, ValueError, "known backends: auto, triton, torch"),
+    ({"dtype": "float8"}, ValueError, "known dtypes"),
+    ({"revision": "v2"}, ValueError, "revision= is not supported"),
+    ({"pretrained": "/no/such/model"}, FileNotFoundError, "never downloads from the hub"),
+]
+
+
+@pytest.mark.parametrize("args, error, match", BAD_MODEL_ARGS)
+def test_check_model_args(args, error, match):
+    from kvquant.eval.lm_eval_cli import check_model_args
+
+    with pytest.raises(error, match=match):
+        check_model_args(args)
+
+
+def test_backends_match_the_cache():
+    from kvquant.eval.lm_eval_cli import BACKENDS
+
+    try:
+        from kvquant.backend import BACKENDS as known
+    except ImportError:  # before the storage rewrite the names lived in kvquant.cache
+        from kvquant.cache import BACKENDS as known
+    assert tuple(BACKENDS) == tuple(known)
+
+
+_LM_EVAL_PROBE = """
+import contextlib, io, json, sys
+from kvquant.eval.lm_eval_cli import cli
+out = []
+for argv in json.loads(sys.stdin.read()):
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        try:
+            cli(argv)
+            rc = 0
+        except SystemExit as e:
+            rc = e.code
+    out.append([rc, err.getvalue()])
+heavy = [m for m in ("torch", "transformers", "lm_eval.models", "lm_eval.api.registry") if m in sys.modules]
+print(json.dumps({"results": out, "heavy": heavy}))
+"""
+
+
+def test_cli_refuses_bad_model_args_before_heavy_imports(tmp_path):
+    """kvquant-lm-eval parses with lm-eval's own (light) parser, then checks the kvquant model's arguments:
+    one line, exit 2, and neither torch, transformers nor lm-eval's models imported."""
+    base = ["--model", "kvquant", "--tasks", "kvquant_mmlu", "--model_args"]
+    cases = [
+        ([*base, "scheme=int5"], "kvquant-lm-eval: error: bad scheme 'int5'"),
+        ([*base, "scheme=int4-g64,chunk=0"], "kvquant-lm-eval: error: chunk=0 must be a positive integer"),
+        ([*base, "backend=gpu"], "kvquant-lm-eval: error: unknown backend 'gpu'"),
+        ([*base, "dtype=float8"], "kvquant-lm-eval: error: unknown dtype 'float8'"),
+        ([*base, f"pretrained={tmp_path / 'missing'}"], "kvquant-lm-eval: error: model path"),
+        (["--model", "kvquant", "--bogus"], "unrecognized arguments: --bogus"),
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-c", _LM_EVAL_PROBE],
+        input=json.dumps([argv for argv, _ in cases]),
+        capture_output=True,
+        text=True,
+        timeout=HANG_LIMIT_S,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    for (argv, want), (rc, err) in zip(cases, report["results"], strict=True):
+        assert rc == 2 and want in err and "Traceback" not in err, (argv, rc, err)
+    assert report["heavy"] == []
+
+
+def test_installed_script_checks_before_importing():
+    """The console script `kvquant-lm-eval` is the light entry point (set-up reinstalls it)."""
+    script = shutil.which("kvquant-lm-eval", path=str(Path(sys.executable).parent))
+    if script is None:
+        pytest.skip("kvquant-lm-eval is not installed in this environment")
+    assert "kvquant.eval.lm_eval_cli import cli" in Path(script).read_text()

@@ -1,11 +1,15 @@
 import csv
 import json
+import logging
 
 import pytest
 import run as cli  # experiments/run.py (tests/eval/conftest.py puts experiments/ on sys.path)
+import torch
 from kvquant.eval import results as res
 from kvquant.eval.results import SUMMARY_COLUMNS
-from kvquant.eval.runner import RunConfig, RunError, run
+from kvquant.eval.runner import RunConfig, RunError, RunInterrupted, run
+
+import kvquant
 
 LENGTH = 300
 SCHEMES = ("int8", "int2-g32")
@@ -25,7 +29,7 @@ def finished(tmp_path_factory, tiny_model, tokenizer, tiny_corpus):
     return run_dir, summary
 
 
-def test_run_directory_files(finished):
+def test_run_directory_files(finished, tiny_model):
     run_dir, summary = finished
     for name in (
         "config.json",
@@ -48,19 +52,23 @@ def test_run_directory_files(finished):
     q2 = [r for r in rows if r["scheme"] == "int2-g32" and r["bucket"] == "all"]
     assert all(float(r["drift"]) != 0 and float(r["kl"]) > 0 for r in q2)
     cache8 = next(r for r in rows if r["scheme"] == "int8" and r["mode"] == "cache" and r["bucket"] == "all")
-    # int8 per token at fp32: 1 byte per value + one fp32 scale per token and layer, for K and V
-    assert float(cache8["bytes_per_token_formula"]) == 2 * 2 * (2 * 64 + 4)
-    assert float(cache8["bytes_per_token_measured"]) == float(cache8["bytes_per_token_formula"])
-    assert float(cache8["saving"]) == pytest.approx(
-        2 * 2 * 2 * 64 * 4 / float(cache8["bytes_per_token_formula"])
-    )
+    # int8 per token at the FP16 storage dtype (--kv-dtype default): 1 byte per value + one FP16 scale per
+    # token and layer, for K and V
+    assert float(cache8["bytes_per_token_formula"]) == 2 * 2 * (2 * 64 + 2)
+    # measured at the end of a 300-token document at the run dtype: whole pages, as the formula counts them
+    held = kvquant.memory.cache_bytes(tiny_model.config, "int8", LENGTH, dtype=torch.float32)
+    assert float(cache8["bytes_per_token_measured"]) == pytest.approx(held / LENGTH, rel=1e-5)
+    # saving: FP16 reference bytes over int8's pages, both at FP16 storage
+    held16 = kvquant.memory.cache_bytes(tiny_model.config, "int8", LENGTH, dtype=torch.float16)
+    assert float(cache8["saving"]) == pytest.approx(2 * 2 * 2 * 64 * 2 / (held16 / LENGTH), rel=1e-5)
     config = json.loads((run_dir / "config.json").read_text())
     assert config["schemes"] == list(SCHEMES) and config["mode"] == "both" and "versions" in config
     report = (run_dir / "report.md").read_text()
     assert "| `int2-g32` |" in report and "llama-3-70b" in report
     lines = [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()]
     assert len(lines) == 2 * 2 * 3 * 2  # modes x docs x (fp16 + 2 schemes) x buckets
-    assert {"scheme", "mode", "doc", "bucket", "nll_sum", "tokens", "kl_sum", "top1", "status"} <= set(
+    assert {"scheme", "mode", "doc", "bucket", "nll_sum", "ref_nll_sum", "dp_sum", "tokens", "kl_sum", "top1",
+            "status"} <= set(
         lines[0]
     )
 
@@ -71,7 +79,9 @@ def test_known_shapes_table():
     assert "| llama-3-70b | `fp16` | 320.0 | 134.2 (125.0) | 1.00x |" in table
 
 
-def test_resume_after_interruption(tmp_path, finished, tiny_model, tokenizer, tiny_corpus, monkeypatch):
+def test_resume_after_interruption(
+    tmp_path, finished, tiny_model, tokenizer, tiny_corpus, monkeypatch, caplog
+):
     config = cfg(tmp_path / "r", tiny_corpus, mode="both")
     real_append, calls = res.ResultsFile.append, []
 
@@ -82,16 +92,26 @@ def test_resume_after_interruption(tmp_path, finished, tiny_model, tokenizer, ti
         real_append(self, row)
 
     monkeypatch.setattr(res.ResultsFile, "append", flaky)
-    with pytest.raises(KeyboardInterrupt):
+    with pytest.raises(RunInterrupted) as stop:  # a KeyboardInterrupt, after everything was written
         run(config, model=tiny_model, tokenizer=tokenizer)
+    assert isinstance(stop.value, KeyboardInterrupt)
+    assert (stop.value.progress.measured, stop.value.progress.total) == (6, 24)
+    assert str(stop.value).startswith("interrupted: 6 of 24 points measured and written to ")
     kept = (tmp_path / "r" / "results.jsonl").read_text().splitlines()
     assert len(kept) == 6 and (tmp_path / "r" / "summary.csv").is_file()  # partial summary written
+    assert "**partial: 6 of 24 points measured**" in (tmp_path / "r" / "report.md").read_text()
+    assert (tmp_path / "r" / "drift_vs_length.png").is_file()
     monkeypatch.setattr(res.ResultsFile, "append", real_append)
     written = []
     monkeypatch.setattr(
         res.ResultsFile, "append", lambda self, row: (written.append(row), real_append(self, row))
     )
-    _, summary = run(config, model=tiny_model, tokenizer=tokenizer)
+    with caplog.at_level(logging.INFO, logger="kvquant.eval.runner"):
+        _, summary = run(config, model=tiny_model, tokenizer=tokenizer)
+    said = caplog.text
+    assert "resuming: 6 of 24 points already measured in" in said
+    assert "18 to measure in 3 document(s)" in said and "0 of them were cut off" in said
+    assert "partial" not in (tmp_path / "r" / "report.md").read_text()
     assert len(written) == 24 - 6  # measured points skipped
     assert not {(r["scheme"], r["mode"], r["doc"], r["bucket"]) for r in written} & {
         (json.loads(x)["scheme"], json.loads(x)["mode"], json.loads(x)["doc"], json.loads(x)["bucket"])
@@ -105,8 +125,11 @@ def test_resume_after_interruption(tmp_path, finished, tiny_model, tokenizer, ti
         )
     # a third run finds everything measured
     written.clear()
-    run(config, model=tiny_model, tokenizer=tokenizer)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="kvquant.eval.runner"):
+        run(config, model=tiny_model, tokenizer=tokenizer)
     assert written == []
+    assert "resuming: 24 of 24 points already measured" in caplog.text and "nothing left" in caplog.text
 
 
 def test_force(tmp_path, tiny_model, tokenizer, tiny_corpus):
@@ -206,3 +229,110 @@ def test_split_schemes_and_list(capsys):
     assert cli.cli(["--list-schemes"]) == 0
     out = capsys.readouterr().out
     assert "kivi-2" in out and "hf-quanto-int4" in out
+
+
+# ------------------------------------------------------------------------------------------------- plots
+
+
+def _summary_rows(with_band: bool) -> list[dict]:
+    """Two modes, two schemes and the reference, buckets up to 32k; optional intervals on the drift."""
+    rows = []
+    ends = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
+    for scheme, k in (("fp16", 0.0), ("int4-g64", 0.01), ("k=int2-channel-g32,v=int2-g32,window=128", 0.05)):
+        for mode, scale in (("cache", 1.0), ("fake", 3.0)):
+            for start, end in zip([0, *ends[:-1]], ends, strict=True):
+                d = k * scale * end.bit_length()
+                band = dict(drift_lo=d - k, drift_hi=d + k) if with_band else {}
+                rows.append(
+                    dict(
+                        scheme=scheme,
+                        mode=mode,
+                        bucket=f"{start}-{end}",
+                        bucket_start=start,
+                        bucket_end=end,
+                        drift=d,
+                        **band,
+                    )
+                )
+            rows.append(
+                dict(
+                    scheme=scheme,
+                    mode=mode,
+                    bucket="all",
+                    bucket_start=0,
+                    bucket_end=32768,
+                    drift=k,
+                    bytes_per_token=5760 / (1 + 10 * k) if mode == "cache" else float("nan"),
+                    bytes_per_token_formula=5760 / (1 + 10 * k),
+                    saving=1 + 10 * k,
+                )
+            )
+    return rows
+
+
+INFO = res.PlotInfo(
+    model="smollm2-135m-instruct",
+    corpus="shakespeare",
+    documents=4,
+    max_length=32768,
+    dtype="float32",
+    chunk=1024,
+    names={"k=int2-channel-g32,v=int2-g32,window=128": "kivi-2"},
+)
+
+
+def test_drift_plot_stands_alone():
+    import dataclasses
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = res.plot_drift(_summary_rows(with_band=True), dataclasses.replace(INFO, partial="9 of 48 points"))
+    title = fig._suptitle.get_text()
+    assert "smollm2-135m-instruct · shakespeare · 4 documents × 32,768 tokens · float32" in title
+    assert "PARTIAL: 9 of 48 points measured" in title
+    a, b = fig.axes
+    assert a.get_title() == "mode: cache, chunk 1,024" and b.get_title() == "mode: fake"
+    assert a.get_ylim() == b.get_ylim() and a.get_shared_y_axes().joined(a, b)  # one y-scale for both modes
+    fig.canvas.draw()
+    ticks = [t.get_text() for t in a.get_xticklabels()]
+    assert ticks == ["256", "512", "1k", "2k", "4k", "8k", "16k", "32k"]
+    assert [t.get_text() for t in a.get_legend().get_texts()] == ["int4-g64", "kivi-2"]  # preset name
+    assert len(a.collections) == 2  # one interval band per scheme
+    plain = res.plot_drift(_summary_rows(with_band=False), INFO)
+    assert len(plain.axes[0].collections) == 0 and "PARTIAL" not in plain._suptitle.get_text()
+
+
+def test_bytes_plot_stands_alone():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = res.plot_bytes(_summary_rows(with_band=False), INFO)
+    ax = fig.axes[0]
+    assert fig._suptitle.get_text().startswith("KV-cache bytes per token\nsmollm2-135m-instruct")
+    fig.canvas.draw()
+    labels = [t.get_text() for t in ax.get_xticklabels()]
+    assert labels == ["fp16 (reference)", "int4-g64\n1.10× smaller", "kivi-2\n1.50× smaller"]
+    values = sorted(t.get_text() for t in ax.texts)  # bar_label writes one text per bar
+    assert values == sorted(["5,760", "5,236", "3,840"] * 2)
+    assert min(t.get_fontsize() for t in ax.get_xticklabels()) >= 9
+
+
+@pytest.mark.parametrize(
+    "n, label", [(256, "256"), (300, "300"), (1024, "1k"), (32768, "32k"), (1536, "1.5k")]
+)
+def test_position_label(n, label):
+    assert res.position_label(n) == label
+
+
+def test_report_and_table_use_preset_names(tmp_path, tiny_model, tokenizer, tiny_corpus):
+    run_dir, summary = run(
+        cfg(tmp_path / "k", tiny_corpus, schemes=("kivi-2",), docs=1), model=tiny_model, tokenizer=tokenizer
+    )
+    report = (run_dir / "report.md").read_text()
+    assert "`kivi-2` (`k=int2-channel-g32,v=int2-g32,window=128`)" in report  # named, and expanded once
+    assert "| `kivi-2` |" in report and "| `k=int2-channel-g32" not in report
+    assert json.loads((run_dir / "config.json").read_text())["scheme_names"] == {
+        "k=int2-channel-g32,v=int2-g32,window=128": "kivi-2",
+        "fp16": "fp32 (reference)",  # the reference named for what it computes in
+    }

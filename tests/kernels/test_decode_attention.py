@@ -5,7 +5,16 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from kvquant.kernels.decode_attention import decode_attention, decode_attention_ref, gather_region
+import triton
+import triton.language as tl
+from kvquant.kernels.decode_attention import (
+    _codes,
+    _codes_w8,
+    _interpreting,
+    decode_attention,
+    decode_attention_ref,
+    gather_region,
+)
 from kvquant.kernels.testing import make_paged_layer
 
 ATOL = {torch.float16: 2e-4, torch.bfloat16: 2e-3, torch.float32: 2e-5}
@@ -163,3 +172,32 @@ def test_bad_inputs(device):
     strided = dict(layer.key_pages, codes=layer.key_pages["codes"].transpose(0, 1).contiguous().transpose(0, 1))
     with pytest.raises(ValueError, match="contiguous"):
         decode_attention(q, layer.fp_k, layer.fp_v, strided, *args[3:])
+
+
+@triton.jit
+def _decode_codes_kernel(w_ptr, b_ptr, out_w_ptr, out_b_ptr, BT: tl.constexpr, D: tl.constexpr,
+                         BIAS: tl.constexpr, F16: tl.constexpr, ASM: tl.constexpr):
+    """The same 8-bit codes read as int32 words and as bytes, each decoded to (BT, D) code - BIAS."""
+    OUT: tl.constexpr = tl.float16 if F16 else tl.float32
+    t = tl.arange(0, BT)
+    words = tl.load(w_ptr + t[:, None] * (D // 4) + tl.arange(0, D // 4)[None, :])
+    bytes_ = tl.load(b_ptr + t[:, None] * D + tl.arange(0, D)[None, :])
+    offs = t[:, None] * D + tl.arange(0, D)[None, :]
+    tl.store(out_w_ptr + offs, _codes_w8(words, BT, D, BIAS, OUT, ASM))
+    tl.store(out_b_ptr + offs, _codes(bytes_, BT, D, 8, BIAS, OUT, ASM))
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("bias", [0, 128])
+def test_int8_codes_read_as_words_decode_bit_exact(bias, out_dtype, device):
+    """8-bit codes loaded as int32 words (byte k of word j = code 4j + k) decode to exactly the values the
+    byte path gives, and to code - bias, for all 256 codes."""
+    g = torch.Generator().manual_seed(3)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(4)[torch.randperm(1024, generator=g)].reshape(16, 64)
+    codes = codes.to(device)
+    out_w = torch.empty(16, 64, dtype=out_dtype, device=device)
+    out_b = torch.empty_like(out_w)
+    _decode_codes_kernel[(1,)](codes.view(torch.int32), codes, out_w, out_b, BT=16, D=64, BIAS=bias,
+                               F16=out_dtype == torch.float16, ASM=not _interpreting())
+    want = (codes.float() - bias).to(out_dtype)
+    assert torch.equal(out_w, want) and torch.equal(out_b, want)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -22,10 +23,13 @@ def _env(**extra) -> dict:
 
 def test_ci_subset_compiles_without_spills_within_shared_memory(tmp_path):
     """int4-g64 with sink+window and int8 at D=128, KIVI-2 at D=256: no spills, <= 110 KB shared memory,
-    two programs per SM at D=128 (one of 8 warps at D=256, register-bound), and D=256 compiles."""
+    two programs per SM at D=128 (one of 8 warps at D=256, register-bound), and D=256 compiles; with
+    --measure each variant's output (interpreted here, 128 body tokens) is within the flash-attention
+    bound of its fp32 twin."""
     out = tmp_path / "report.csv"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_report.py"), "--subset", "ci",
-                           "--csv", str(out)], capture_output=True, text=True, timeout=300, env=_env())
+                           "--measure", "--body", "128", "--csv", str(out)], capture_output=True, text=True,
+                           timeout=400, env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(out.open()))
     split = [r for r in rows if "split" in r["kernel"]]
@@ -38,6 +42,8 @@ def test_ci_subset_compiles_without_spills_within_shared_memory(tmp_path):
         assert int(r["programs_per_sm"]) >= (2 if r["head_dim"] != "256" else 1), r  # D=256: 8 warps
     for r in split:
         assert int(r["loop_instr_per_64_tokens"]) > 0 and float(r["ceiling_pct"]) > 0, r
+        # --measure: the variant run (interpreted here) against its fp32 twin, within the tests' bound
+        assert r["err_ok"] == "true" and float(r["max_err"]) <= float(r["err_bound"]), r
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script")
@@ -56,3 +62,52 @@ def test_gpu_check_reports_a_failed_phase_and_runs_the_others(tmp_path):
     ok = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], capture_output=True,
                         text=True, timeout=300, env=_env(OUT=str(tmp_path / "ok"), GPU_CHECK_PHASES="env"))
     assert ok.returncode == 0, ok.stdout[-3000:]
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="bash script")
+def test_gpu_check_e2e_dry_run_counts_recompiles(tmp_path):
+    """The e2e phase's CPU dry run: 16 interpreted decode steps give the torch path's tokens, and the
+    recompile count (variants the Triton run compiled, counted by a passthrough launcher) is recorded:
+    one split and one reduce variant for the whole generation."""
+    out = tmp_path / "check"
+    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],
+                          capture_output=True, text=True, timeout=400,
+                          env=_env(OUT=str(out), GPU_CHECK_PHASES="e2e"))
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "recompiles:" in (out / "e2e.log").read_text()
+    e2e = json.loads((out / "e2e.json").read_text())
+    assert e2e["same_tokens"] is True and e2e["launches"]["_paged_split_kernel"] > 0, e2e
+    assert e2e["variants"]["_paged_split_kernel"] == 1 and e2e["variants"]["_reduce_kernel"] == 1, e2e
+    assert not e2e["torch_backend_launches"], e2e
+
+
+def test_bench_decode_dry_run_reports_split_reduce_and_host_time(tmp_path):
+    """The decode benchmark's CPU dry run (interpreter, tiny sizes): with sink+window, every method row is
+    written, including the split and reduce kernels timed alone and the host time per call (the CUDA
+    graph row needs CUDA and is absent here)."""
+    out = tmp_path / "bench.csv"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_decode.py"), "--device", "cpu",
+                           "--interpret", "--schemes", "int4-g64,sink=4,window=128", "--csv", str(out)],
+                          capture_output=True, text=True, timeout=600, env=_env())
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = list(csv.DictReader(out.open()))
+    methods = {r["method"] for r in rows}
+    assert methods == {"fused", "sdpa_fp16", "dequant_sdpa", "fused_split_only", "fused_reduce_only"}, methods
+    for r in rows:
+        assert float(r["us_median"]) > 0 and float(r["host_us_per_call"]) > 0, r
+        assert r["scheme"] == "int4-g64,sink=4,window=128", r
+
+
+def test_bench_decode_key_points_cover_the_issue():
+    """--key-points: int4-g64, int8, KIVI-4 and an FP16 body, bare and with sink+window, at B 1/8/32 x
+    T 4k/32k and 128k at B=1 (what gpu_check.sh runs on the device)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import bench_decode
+    finally:
+        sys.path.pop(0)
+    pts = bench_decode.plan(bench_decode.parse_args(["--key-points"]))
+    schemes = {s for _, s, _, _ in pts}
+    assert {"int4-g64", "int8", "k=int4-channel-g32,v=int4-g32", "fp16"} <= schemes
+    assert {"int4-g64,sink=4,window=128", "fp16,sink=4,window=128"} <= schemes
+    assert ("llama3-8b", "int4-g64", 131072, 1) in pts and ("llama3-8b", "int8", 32768, 32) in pts

@@ -59,3 +59,55 @@ def test_one_variant_per_scheme_from_512_to_32k_tokens():
         assert counts.get("_quantize_token_kernel", 0) <= 1, (scheme, counts)
         assert counts.get("_quantize_channel_kernel", 0) <= 1, (scheme, counts)
         print(scheme, counts, calls)
+
+
+# ----------------------------------------------------------------------------------------------- the counter itself
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+
+@triton.jit
+def _probe_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _probe_kernel_dns(x_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=offs < n), mask=offs < n)
+
+
+def test_counter_sees_a_recompile_when_a_specialising_argument_changes():
+    """The negative control of the test above: the counter must not report 1 because it cannot see.
+    Triton specialises an int argument on == 1 and on divisibility by 16, and every constexpr or dtype
+    change is a new variant; `do_not_specialize` removes the first kind only."""
+    x = torch.zeros(64)
+    counter = SpecializationCounter()
+    with counter:
+        for n in (1, 16, 17, 32, 33):  # ==1, %16, plain, %16, plain -> 3 keys
+            _probe_kernel[(1,)](x, n, BLOCK=64)
+        for n in (1, 16, 17):
+            _probe_kernel_dns[(1,)](x, n, BLOCK=64)
+        _probe_kernel_dns[(1,)](x, 5, BLOCK=32)  # a constexpr change
+        _probe_kernel_dns[(1,)](x.half(), 5, BLOCK=32)  # a dtype change
+    assert counter.counts() == {"_probe_kernel": 3, "_probe_kernel_dns": 3}, counter.counts()
+    assert counter.calls == {"_probe_kernel": 5, "_probe_kernel_dns": 5}
+
+
+def test_counter_sees_a_new_decode_variant():
+    """The real launcher through the counter: a new head_dim or query dtype is a new split variant (as
+    it must be), while a new length is not."""
+    counter = SpecializationCounter()
+    with counter:
+        for d, dtype, body in ((64, torch.float16, 32), (64, torch.float16, 48), (128, torch.float16, 32),
+                               (64, torch.float32, 32)):
+            layer = make_paged_layer(b=1, h_kv=2, d=d, sink=2, body=body, recent=3, k="int4-g32", v="int8",
+                                     dtype=dtype)
+            q = torch.zeros(1, 4, 1, d, dtype=dtype)
+            from kvquant.kernels.decode_attention import decode_attention
+
+            decode_attention(q, *layer.decode_args())
+    assert counter.counts()["_paged_split_kernel"] == 3, counter.counts()
+    assert counter.calls["_paged_split_kernel"] == 4

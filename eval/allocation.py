@@ -1,0 +1,359 @@
+"""Per-layer K/V bit allocation under an average-bits budget (KVTuner-style), measured on calibration text.
+
+1. Sensitivity: for every layer l, role r (K or V) and candidate spec s, the mean KL(p_fp || p) per predicted
+   token when only layer l's r is quantized with s (everything else FP), in cache mode (decode-exact, one
+   forward per document), on calibration documents (never evaluation text; `kvquant.eval.calibration`).
+2. Choice: minimize the predicted KL, sum over (l, r) of sensitivity[l, r, s], subject to the average
+   effective bits (scales counted at FP16, steady state) over all K and V values <= the budget; exact with
+   `scipy.optimize.milp` (one binary per (l, r, s), one choice per (l, r), one knapsack row).
+3. The result is an ordinary scheme (`layers=0:k1/v1+1:...`), so every tool accepts it; the additive model's
+   prediction is reported beside the KL measured with the whole scheme.
+
+    python experiments/allocate.py --budget-bits 3.0 --calib calib/smollm2-nuq.safetensors
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+import kvquant
+from kvquant.memory import KVShape, spec_bytes
+from kvquant.scheme import FP16, LayerSpecs, QuantSpec, Scheme, parse_spec
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_KEY_CANDIDATES = (
+    "int8",
+    "int4-channel-g64",
+    "int2-channel-g32",
+    "nuq4-channel-g64-prerope",
+    "nuq3-channel-g64-prerope",
+    "nuq2-channel-g64-prerope",
+)
+DEFAULT_VALUE_CANDIDATES = ("int8", "int4-g64", "int2-g32", "nuq4-g64", "nuq3-g64", "nuq2-g64")
+# candidates without codebooks, for runs without a calibration file
+UNIFORM_KEY_CANDIDATES = (
+    "int8",
+    "int4-channel-g64",
+    "int4-channel-g32",
+    "int2-channel-g32",
+    "int2-channel-g16",
+)
+UNIFORM_VALUE_CANDIDATES = ("int8", "int4-g64", "int4-g32", "int2-g32", "int2-g16")
+
+
+def spec_bits(spec: QuantSpec, shape: KVShape) -> float:
+    """Effective bits per value of one layer's K or V under spec (FP16 scales, steady state)."""
+    n = 1024 * spec.tokens_per_group
+    return (
+        spec_bytes(spec, n, shape.num_kv_heads, shape.head_dim, torch.float16)
+        * 8
+        / (n * shape.num_kv_heads * shape.head_dim)
+    )
+
+
+def per_layer_scheme(specs: Sequence[tuple[QuantSpec, QuantSpec]], base: Scheme | None = None) -> Scheme:
+    """A scheme from one (key, value) per layer (adjacent equal layers merged into one range); sink, window
+    and calib from base. All layers equal gives the uniform scheme."""
+    base = base or Scheme(FP16, FP16)
+    ranges: list[LayerSpecs] = []
+    for i, (k, v) in enumerate(specs):
+        if ranges and (ranges[-1].key, ranges[-1].value) == (k, v):
+            ranges[-1] = dataclasses.replace(ranges[-1], last=i)
+        else:
+            ranges.append(LayerSpecs(i, i, k, v))
+    if len(ranges) == 1:
+        return Scheme(ranges[0].key, ranges[0].value, base.sink, base.window, calib=base.calib)
+    return Scheme(
+        ranges[0].key, ranges[0].value, base.sink, base.window, layers=tuple(ranges), calib=base.calib
+    )
+
+
+# ------------------------------------------------------------------------------------------------ KL
+
+
+@torch.inference_mode()
+def reference_logprobs(model, documents: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """FP log-probabilities (T, V) of every document (a plain forward, DynamicCache)."""
+    from transformers import DynamicCache
+
+    out = []
+    for ids in documents:
+        logits = model(input_ids=ids, cache=DynamicCache(config=model.config)).logits[0].float()
+        out.append(torch.log_softmax(logits, dim=-1))
+    return out
+
+
+@torch.inference_mode()
+def scheme_kl(
+    model,
+    documents: Sequence[torch.Tensor],
+    refs: Sequence[torch.Tensor],
+    scheme: Scheme | str,
+    chunk: int = 0,
+) -> float:
+    """Mean KL(p_fp || p_scheme) per predicted token over the documents, through a QuantizedCache in cache
+    mode (decode-exact: one forward, or `chunk` tokens at a time; the result does not depend on it)."""
+    total, tokens = 0.0, 0
+    for ids, ref in zip(documents, refs, strict=True):
+        cache = kvquant.QuantizedCache(scheme, model.config, backend="torch")
+        step = chunk or ids.shape[1]
+        logits = torch.cat(
+            [
+                model(input_ids=ids[:, i : i + step], cache=cache).logits[0]
+                for i in range(0, ids.shape[1], step)
+            ]
+        )
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        kl = (ref.exp() * (ref - lp)).sum(-1).clamp_min(0)[:-1]  # the last position predicts nothing
+        total += float(kl.double().sum())
+        tokens += kl.numel()
+    return total / tokens
+
+
+# ------------------------------------------------------------------------------------------------ allocation
+
+
+@dataclass
+class Sensitivity:
+    """KL per token when only (layer, role) is quantized with a spec; the bits of each spec."""
+
+    kl: dict[tuple[int, str, str], float] = field(default_factory=dict)  # (group, "k"/"v", spec) -> KL
+    bits: dict[tuple[str, str], float] = field(default_factory=dict)  # (role, spec) -> bits per value
+    group: int = 1  # consecutive layers measured (and chosen) together: group g is layers g*group ..
+
+    def to_json(self) -> dict:
+        return {
+            "kl": [[g, r, s, v] for (g, r, s), v in sorted(self.kl.items())],
+            "bits": [[r, s, v] for (r, s), v in sorted(self.bits.items())],
+            "group": self.group,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict) -> Sensitivity:
+        return cls(
+            {(g, r, s): v for g, r, s, v in d["kl"]}, {(r, s): v for r, s, v in d["bits"]}, d.get("group", 1)
+        )
+
+    def layers_of(self, g: int, num_layers: int) -> range:
+        return range(g * self.group, min((g + 1) * self.group, num_layers))
+
+    def num_groups(self, num_layers: int) -> int:
+        return -(-num_layers // self.group)
+
+
+def measure_sensitivity(
+    model,
+    documents: Sequence[torch.Tensor],
+    key_candidates: Sequence[str],
+    value_candidates: Sequence[str],
+    base: Scheme,
+    progress=None,
+    group: int = 1,
+) -> Sensitivity:
+    """Sensitivity of every layer's (or group of `group` consecutive layers') K and V to every candidate (one
+    forward per document each)."""
+    shape = KVShape.from_config(model.config)
+    refs = reference_logprobs(model, documents)
+    sens = Sensitivity(group=group)
+    cands = [("k", parse_spec(s)) for s in key_candidates] + [("v", parse_spec(s)) for s in value_candidates]
+    for role, spec in cands:
+        sens.bits[(role, str(spec))] = spec_bits(spec, shape)
+    n, total = 0, sens.num_groups(shape.num_layers) * len(cands)
+    for gi in range(sens.num_groups(shape.num_layers)):
+        for role, spec in cands:
+            specs = [(FP16, FP16)] * shape.num_layers
+            for layer in sens.layers_of(gi, shape.num_layers):
+                specs[layer] = (spec, FP16) if role == "k" else (FP16, spec)
+            sens.kl[(gi, role, str(spec))] = scheme_kl(model, documents, refs, per_layer_scheme(specs, base))
+            n += 1
+            if progress is not None:
+                progress(n, total)
+    return sens
+
+
+def allocate(
+    sens: Sensitivity, num_layers: int, budget_bits: float
+) -> tuple[dict[tuple[int, str], str], float]:
+    """The spec per (layer, role) minimizing the summed KL with mean bits <= budget (exact MILP; layers of one
+    measured group get the same spec). Returns ({(layer, role): spec}, predicted KL)."""
+    import numpy as np
+    from scipy.optimize import Bounds, LinearConstraint, milp
+
+    groups = [(g, r) for g in range(sens.num_groups(num_layers)) for r in ("k", "v")]
+    size = {g: len(sens.layers_of(g[0], num_layers)) for g in groups}
+    var = [(g, s) for g in groups for (r, s) in sens.bits if r == g[1] and (g[0], g[1], s) in sens.kl]
+    cost = np.array([sens.kl[(g[0], g[1], s)] for g, s in var])
+    bits = np.array([sens.bits[(g[1], s)] * size[g] for g, s in var])  # bits summed over the group's layers
+    one = np.zeros((len(groups), len(var)))
+    for j, (g, _) in enumerate(var):
+        one[groups.index(g), j] = 1
+    n_parts = 2 * num_layers
+    cheapest = sum(min(sens.bits[(g[1], s)] for gg, s in var if gg == g) * size[g] for g in groups) / n_parts
+    if cheapest > budget_bits + 1e-9:
+        raise ValueError(
+            f"budget {budget_bits} bits is below the cheapest candidates' {cheapest:.3f} bits; add lower-bit candidates"
+        )
+    res = milp(
+        cost,
+        constraints=[
+            LinearConstraint(one, 1, 1),
+            LinearConstraint(bits[None, :], -np.inf, budget_bits * n_parts),
+        ],
+        integrality=np.ones(len(var)),
+        bounds=Bounds(0, 1),
+    )
+    if not res.success:
+        raise RuntimeError(f"the allocation MILP failed: {res.message}")
+    chosen = {
+        (layer, g[1]): s
+        for j in np.flatnonzero(res.x > 0.5)
+        for g, s in [var[j]]
+        for layer in sens.layers_of(g[0], num_layers)
+    }
+    return chosen, float(cost[res.x > 0.5].sum())
+
+
+def scheme_from_choice(chosen: dict[tuple[int, str], str], num_layers: int, base: Scheme) -> Scheme:
+    specs = [(parse_spec(chosen[(i, "k")]), parse_spec(chosen[(i, "v")])) for i in range(num_layers)]
+    return per_layer_scheme(specs, base)
+
+
+def predicted_kl(sens: Sensitivity, scheme: Scheme, num_layers: int) -> float:
+    """The additive model's KL for a scheme whose specs were all measured and are equal within each measured
+    group of layers (nan otherwise)."""
+    total = 0.0
+    for g in range(sens.num_groups(num_layers)):
+        layers = sens.layers_of(g, num_layers)
+        for role in ("k", "v"):
+            specs = {str(getattr(scheme.for_layer(i), "key" if role == "k" else "value")) for i in layers}
+            if len(specs) != 1:
+                return math.nan
+            spec = specs.pop()
+            if parse_spec(spec).is_quantized:
+                total += sens.kl.get((g, role, spec), math.nan)
+    return total
+
+
+# ------------------------------------------------------------------------------------------------ the command
+
+
+def evaluation_documents(tokenizer, docs: int, length: int, seed: int = 0, exclude_titles=()) -> list:
+    """Held-out articles: at least 8,192 tokens (the 8k evaluation's kind; never calibration text), cut to
+    `length` tokens, in a seeded order."""
+    from .calibration import calibration_documents
+
+    text = calibration_documents(
+        tokenizer, "wikipedia", docs, 8192, exclude_from=None, seed=seed, exclude_titles=exclude_titles
+    )
+    return [t[:, :length] for t in text.ids], text.titles
+
+
+def run_allocation(
+    budget_bits: float,
+    key_candidates: Sequence[str],
+    value_candidates: Sequence[str],
+    base: Scheme,
+    *,
+    model_path: str | None = None,
+    docs: int = 1,
+    length: int = 1024,
+    eval_docs: int = 0,
+    eval_length: int = 2048,
+    compare: Sequence[Scheme] = (),
+    seed: int = 0,
+    group: int = 1,
+    out=None,
+    model=None,
+    tokenizer=None,
+) -> dict:
+    """Sensitivities (reused from out/sensitivity.json when its setup matches), the MILP choice, and the
+    predicted vs measured KL; writes out/allocation.json."""
+    import json
+    from pathlib import Path
+
+    from kvquant.memory import effective_bits
+
+    from .calibration import EXCLUDE_FROM, calibration_documents
+
+    if model is None:
+        model, tokenizer = kvquant.load_model(model_path)
+    shape = KVShape.from_config(model.config)
+    calib_text = calibration_documents(
+        tokenizer, "wikipedia", docs, length, exclude_from=EXCLUDE_FROM, seed=seed
+    )
+    setup = {
+        "model": model_path or "embedded SmolLM2-135M",
+        "key_candidates": list(key_candidates),
+        "value_candidates": list(value_candidates),
+        "base": str(base),
+        "documents": calib_text.titles,
+        "length": length,
+        "mode": "cache",
+        "group": group,
+    }
+    out = Path(out) if out is not None else None
+    sens = None
+    if out is not None and (out / "sensitivity.json").is_file():
+        saved = json.loads((out / "sensitivity.json").read_text())
+        if saved.get("setup") == setup:
+            sens = Sensitivity.from_json(saved)
+            logger.info("reusing %s", out / "sensitivity.json")
+    if sens is None:
+        sens = measure_sensitivity(
+            model,
+            calib_text.ids,
+            key_candidates,
+            value_candidates,
+            base,
+            progress=lambda n, total: logger.info("sensitivity %d/%d", n, total),
+            group=group,
+        )
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "sensitivity.json").write_text(json.dumps({"setup": setup, **sens.to_json()}) + "\n")
+    chosen, predicted = allocate(sens, shape.num_layers, budget_bits)
+    scheme = scheme_from_choice(chosen, shape.num_layers, base)
+    refs = reference_logprobs(model, calib_text.ids)
+    result = {
+        "scheme": str(scheme),
+        "budget_bits": budget_bits,
+        "effective_bits": effective_bits(model.config, scheme),
+        "predicted_kl": predicted,
+        "measured_kl_calibration": scheme_kl(model, calib_text.ids, refs, scheme),
+        "calibration": {"documents": calib_text.titles, "tokens_each": length, "mode": "cache"},
+    }
+    del refs
+    if eval_docs:
+        ids, titles = evaluation_documents(
+            tokenizer, eval_docs, eval_length, seed, exclude_titles=calib_text.titles
+        )
+        refs = reference_logprobs(model, ids)
+        rows = []
+        for s in [scheme, *compare]:
+            rows.append(
+                {
+                    "scheme": str(s),
+                    "effective_bits": effective_bits(model.config, s),
+                    "predicted_kl": predicted_kl(sens, s, shape.num_layers),
+                    "measured_kl_eval": scheme_kl(model, ids, refs, s),
+                }
+            )
+            logger.info("%s", rows[-1])
+        result["evaluation"] = {
+            "documents": titles,
+            "tokens_each": eval_length,
+            "mode": "cache",
+            "rows": rows,
+        }
+    result["choice"] = {f"{i}.{r}": s for (i, r), s in sorted(chosen.items())}
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "allocation.json").write_text(json.dumps(result, indent=1) + "\n")
+    return result

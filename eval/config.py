@@ -1,0 +1,340 @@
+"""What one evaluation run is (`RunConfig`), and the checks that need neither torch nor a model.
+
+Imports nothing heavy: `experiments/run.py` builds and checks a config here, so a usage error, an unknown
+scheme, a missing model folder or corpus is reported in well under a second, before torch, transformers,
+datasets or wandb are imported. `kvquant.eval.runner.run` repeats these checks for callers of the API.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+__all__ = [
+    "DEFAULT_CHUNK",
+    "DEFAULT_DOCS",
+    "DEFAULT_MAX_LENGTH",
+    "DTYPE_NAMES",
+    "KV_DTYPES",
+    "MODES",
+    "MODE_CHOICES",
+    "WANDB_MODES",
+    "Progress",
+    "RunConfig",
+    "RunError",
+    "RunInterrupted",
+    "TASKS",
+    "RETRIEVAL_TASKS",
+    "DEFAULT_LENGTHS",
+    "DEFAULT_DEPTHS",
+    "DEFAULT_TRIALS",
+    "check_inputs",
+    "parse_lengths",
+    "parse_depths",
+]
+
+DEFAULT_MAX_LENGTH = 8192
+DEFAULT_CHUNK = 1024
+DEFAULT_DOCS = 2
+# --task: ppl (perplexity drift by position) or a retrieval task (kvquant.eval.retrieval)
+RETRIEVAL_TASKS = ("passkey", "needle")
+TASKS = ("ppl", *RETRIEVAL_TASKS)
+DEFAULT_LENGTHS = (1024, 2048, 4096)  # retrieval prompt lengths, tokens
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the key sits in the filler: 0 first, 1 last
+DEFAULT_TRIALS = 3  # keys (and filler offsets) per grid cell
+MIN_RETRIEVAL_LENGTH = 128  # the prompt's instruction, key and question take ~60 tokens
+MODES = ("cache", "fake", "prefill")  # kvquant.eval.measure.MODES; a test keeps the two equal
+MODE_CHOICES = (*MODES, "both", "all")  # both: cache and fake; all: the three
+WANDB_MODES = ("online", "offline", "disabled")
+# accepted spellings -> the torch dtype's name
+DTYPE_NAMES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+# --kv-dtype: the dtype a deployment stores K/V (and scales) in; bytes and savings are reported at it
+KV_DTYPES = {"fp16": "float16", "float16": "float16", "bf16": "bfloat16", "bfloat16": "bfloat16",
+             "fp32": "float32", "float32": "float32"}
+KV_DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4}
+_DEVICE_RE = re.compile(r"^(cpu|mps|(cuda|xpu)(:\d+)?)$")
+
+
+class RunError(ValueError):
+    """Bad input, found before any long work. The message names the problem and the fix."""
+
+
+@dataclass(frozen=True)
+class Progress:
+    """How many of a run's points (scheme x mode x document x bucket, the reference included) are measured.
+
+    `failed`: points that belong to a scheme that failed in that mode; they will not be measured."""
+
+    measured: int
+    total: int
+    failed: int = 0
+
+    @property
+    def complete(self) -> bool:
+        return self.measured + self.failed >= self.total
+
+    def __str__(self) -> str:
+        return f"{self.measured} of {self.total} points"
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a run, after everything measured so far was written (results, summary, report, plots)."""
+
+    def __init__(self, run_dir: Path, progress: Progress):
+        super().__init__(
+            f"interrupted: {progress} measured and written to {run_dir}; rerun the same command to resume"
+        )
+        self.run_dir, self.progress = run_dir, progress
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive(name: str, value: int | None, minimum: int, why: str) -> None:
+    if value is None:
+        return
+    if not _is_int(value):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise RunError(f"{name} {value} must be at least {minimum} ({why})")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One evaluation: which schemes, on what model and text, how long and in which mode.
+
+    Values that make no sense raise RunError here (never silently replaced by a default); whether the
+    schemes parse and the paths exist is `check_inputs`'s job."""
+
+    schemes: tuple[str, ...]
+    model: str | None = None  # None: the embedded default
+    corpus: str = "wikipedia"
+    mode: str = "cache"  # cache | fake | both
+    max_length: int = DEFAULT_MAX_LENGTH
+    chunk: int | None = None  # None: DEFAULT_CHUNK, and each scheme's own default (peers: 128), see chunk_for
+    docs: int | None = None
+    tokens: int | None = None
+    seed: int = 0
+    device: str = "cpu"
+    dtype: str = "float32"
+    out: str | None = None
+    force: bool = False
+    wandb: str = "disabled"
+    kv_dtype: str = "fp16"  # storage dtype of the reported bytes (not the compute dtype)
+    prefill: int | None = None  # prefill mode's prompt length P (default: half of max_length)
+    reference_cache: bool = True  # reuse the reference pass's hidden states across runs
+    noise_floor: bool = False  # measure cache mode twice (second time with shifted chunks): drift_noise
+    task: str = "ppl"  # ppl | passkey | needle
+    lengths: tuple[int, ...] | None = None  # retrieval: prompt lengths (None: DEFAULT_LENGTHS)
+    depths: tuple[float, ...] | None = None  # retrieval: key depths in [0, 1] (None: DEFAULT_DEPTHS)
+    trials: int | None = None  # retrieval: keys per (length, depth) (None: DEFAULT_TRIALS)
+    extra: dict = field(default_factory=dict, compare=False)
+    chunk_given: bool = field(init=False, default=True)  # False: --chunk was left to its default
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.schemes, (tuple, list)):  # a lone string would be read letter by letter
+            raise TypeError(
+                f"schemes must be a tuple of scheme strings such as ('int4-g64',), not "
+                f"{type(self.schemes).__name__} {self.schemes!r}"
+            )
+        object.__setattr__(self, "schemes", tuple(self.schemes))
+        object.__setattr__(self, "chunk_given", self.chunk is not None)
+        if self.chunk is None:
+            object.__setattr__(self, "chunk", DEFAULT_CHUNK)
+        self._check_task()
+        if self.mode not in MODE_CHOICES:
+            raise RunError(f"unknown mode {self.mode!r}; known: {', '.join(MODE_CHOICES)}")
+        if self.dtype not in DTYPE_NAMES:
+            raise RunError(f"unknown dtype {self.dtype!r}; known: {', '.join(DTYPE_NAMES)}")
+        if self.kv_dtype not in KV_DTYPES:
+            raise RunError(f"unknown --kv-dtype {self.kv_dtype!r}; known: fp16, bf16, fp32")
+        if self.prefill is not None:
+            _positive("--prefill", self.prefill, 1, "prompt tokens processed in one FP forward")
+            if self.prefill >= self.max_length:
+                raise RunError(f"--prefill {self.prefill} must be below --max-length {self.max_length} "
+                               "(the continuation is what prefill mode scores)")
+        if self.wandb not in WANDB_MODES:
+            raise RunError(f"unknown W&B mode {self.wandb!r}; known: {', '.join(WANDB_MODES)}")
+        if not _DEVICE_RE.match(str(self.device)):
+            raise RunError(f"unknown device {self.device!r}; use cpu, cuda, cuda:N or mps")
+        _positive("--max-length", self.max_length, 2, "a document of L tokens gives L - 1 predictions")
+        _positive("--chunk", self.chunk, 1, "tokens per forward")
+        _positive("--docs", self.docs, 1, "documents to evaluate")
+        _positive("--tokens", self.tokens, 1, "the token budget")
+        if not _is_int(self.seed):
+            raise TypeError(f"--seed must be an int, not {type(self.seed).__name__} {self.seed!r}")
+        if self.docs is not None and self.tokens is not None:
+            raise RunError("give --docs or --tokens, not both")
+
+    def _check_task(self) -> None:
+        if self.task not in TASKS:
+            raise RunError(f"unknown task {self.task!r}; known: {', '.join(TASKS)}")
+        grid = {"--lengths": self.lengths, "--depths": self.depths, "--trials": self.trials}
+        if self.task == "ppl":
+            given = [k for k, v in grid.items() if v is not None]
+            if given:
+                raise RunError(f"{', '.join(given)} apply to --task passkey|needle, not ppl")
+            return
+        if self.noise_floor:
+            raise RunError("--noise-floor applies to --task ppl")
+        if self.lengths is not None:
+            object.__setattr__(self, "lengths", tuple(self.lengths))
+            if not self.lengths:
+                raise RunError("--lengths names no length")
+            for n in self.lengths:
+                _positive("--lengths", n, MIN_RETRIEVAL_LENGTH, "the prompt's scaffold is ~60 tokens")
+        if self.depths is not None:
+            object.__setattr__(self, "depths", tuple(float(d) for d in self.depths))
+            if not self.depths:
+                raise RunError("--depths names no depth")
+            bad = [d for d in self.depths if not 0.0 <= d <= 1.0]
+            if bad:
+                raise RunError(f"--depths {bad[0]:g} must lie in [0, 1] (0: the key first, 1: last)")
+        _positive("--trials", self.trials, 1, "keys per grid cell")
+
+    @property
+    def is_retrieval(self) -> bool:
+        return self.task in RETRIEVAL_TASKS
+
+    @property
+    def grid_lengths(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.lengths or DEFAULT_LENGTHS)))
+
+    @property
+    def grid_depths(self) -> tuple[float, ...]:
+        return tuple(sorted(set(self.depths or DEFAULT_DEPTHS)))
+
+    @property
+    def grid_trials(self) -> int:
+        return self.trials or DEFAULT_TRIALS
+
+    def chunk_for(self, scheme) -> int:
+        """Tokens per forward for one scheme in cache mode: --chunk when given, else the scheme's own default
+        (a peer's is its residual length, 128, so its numbers are decode-like), else DEFAULT_CHUNK."""
+        own = getattr(scheme, "default_chunk", None)
+        return self.chunk if self.chunk_given or own is None else own
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        """Measured modes; with noise_floor, cache mode's second realization `cache-shift` too."""
+        base = {"both": ("cache", "fake"), "all": MODES}.get(self.mode, (self.mode,))
+        return (*base, "cache-shift") if self.noise_floor and "cache" in base else base
+
+    @property
+    def prefill_length(self) -> int:
+        return self.prefill if self.prefill is not None else max(self.max_length // 2, 1)
+
+    @property
+    def kv_dtype_name(self) -> str:
+        return KV_DTYPES[self.kv_dtype]
+
+    @property
+    def dtype_name(self) -> str:
+        """The torch dtype's name: float32, float16 or bfloat16."""
+        return DTYPE_NAMES[self.dtype]
+
+
+def check_inputs(config: RunConfig, *, check_model: bool = True) -> list:
+    """Parse the schemes and check the model, corpus and run directory, without torch.
+
+    Returns the parsed schemes (kvquant `Scheme`s and peers), de-duplicated in order. Raises RunError.
+    check_model=False when the caller hands `run` a model object instead of a path."""
+    schemes = resolve_schemes(config.schemes)
+    if check_model:
+        check_model_path(config.model)
+    check_corpus(config.corpus)
+    check_out(config.out, config.force)
+    return schemes
+
+
+def resolve_schemes(names) -> list:
+    """Parse and de-duplicate; unknown names raise RunError listing the known ones."""
+    from kvquant.scheme import Scheme, SchemeError
+
+    from .schemes import KVQuantScheme, PeerScheme, parse_eval_scheme
+
+    out, seen = [], set()
+    for n in names:
+        if not isinstance(n, (str, Scheme, KVQuantScheme, PeerScheme)):
+            raise TypeError(
+                f"a scheme must be a string such as 'int4-g64' or a Scheme, not {type(n).__name__} {n!r}"
+            )
+        try:
+            s = parse_eval_scheme(n)
+            s.check_available()
+        except SchemeError as e:
+            raise RunError(str(e)) from None
+        if s.label not in seen:
+            seen.add(s.label)
+            out.append(s)
+    if not out:
+        raise RunError("name at least one scheme (--scheme int4-g64); see --list-schemes")
+    return out
+
+
+def check_model_path(model: str | None) -> None:
+    from kvquant.models import check_model_path as check
+
+    try:
+        check(model)
+    except (FileNotFoundError, ValueError) as e:
+        raise RunError(str(e)) from None
+
+
+def check_corpus(corpus: str) -> None:
+    from .data import CORPORA, CorpusError
+    from .data import check_corpus as check
+
+    try:
+        check(corpus)
+    except CorpusError as e:
+        near = difflib.get_close_matches(str(corpus), CORPORA, n=1)
+        raise RunError(str(e) + (f"; did you mean {near[0]!r}?" if near else "")) from None
+
+
+def _parse_list(flag: str, text: str, convert) -> tuple:
+    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    if not items:
+        raise RunError(f"{flag} names no value (e.g. {flag} 512,1k,2k)")
+    try:
+        return tuple(convert(t) for t in items)
+    except ValueError:
+        raise RunError(f"{flag}: cannot read {text!r} (comma-separated, e.g. {flag} 512,1k,2k)") from None
+
+
+def _length(t: str) -> int:
+    t = t.lower()
+    return int(t[:-1]) * 1024 if t.endswith("k") else int(t)
+
+
+def parse_lengths(text: str) -> tuple[int, ...]:
+    """`512,1k,2k` -> (512, 1024, 2048)."""
+    return _parse_list("--lengths", text, _length)
+
+
+def parse_depths(text: str) -> tuple[float, ...]:
+    """`0,0.5,1` -> (0.0, 0.5, 1.0)."""
+    return _parse_list("--depths", text, float)
+
+
+def check_out(out: str | None, force: bool) -> None:
+    """--out must be new, empty, or a kvquant run directory (resumed, or replaced with --force)."""
+    if out is None:
+        return
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise RunError(f"--out {out} is a file; name a folder for the run directory")
+    if path.is_dir() and not force and any(path.iterdir()) and not (path / "config.json").is_file():
+        raise RunError(
+            f"{out} exists and is not a kvquant run directory; pass --force or choose another --out"
+        )

@@ -1,0 +1,110 @@
+"""`kvquant-lm-eval`: lm-eval's own command line with the `kvquant` model registered, failing fast.
+
+lm-eval's argument parser is light, so the command line is parsed first and the `kvquant` model's
+`--model_args` (scheme, chunk, backend, dtype, pretrained path) and `--device` are checked before
+torch, transformers or lm-eval's models are imported: a typo is one line on stderr and exit status 2 at
+once, not a traceback after a minute of imports. `KVQuantLM` runs the same checks (`check_model_args`).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Mapping, Sequence
+
+__all__ = ["BACKENDS", "DTYPE_ALIASES", "HUB_ONLY_ARGS", "check_model_args", "cli"]
+
+PROG = "kvquant-lm-eval"
+BACKENDS = ("auto", "triton", "torch")  # kvquant.backend.BACKENDS (torch-free copy; a test keeps them equal)
+# --model_args dtype= spellings -> torch dtype name
+DTYPE_ALIASES = {
+    "auto": "float32",
+    "float32": "float32",
+    "fp32": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+HUB_ONLY_ARGS = ("revision", "peft", "delta", "parallelize", "tokenizer")
+
+
+def check_model_args(args: Mapping[str, object]) -> None:
+    """Check the `kvquant` model's --model_args without heavy imports.
+
+    Raises SchemeError (unknown scheme, with the known ones), FileNotFoundError / ValueError (model path),
+    ValueError (chunk, backend, dtype, hub-only arguments), TypeError (a value of the wrong type), each
+    naming the fix."""
+    from kvquant.models import check_model_path
+    from kvquant.scheme import parse_scheme
+
+    scheme = args.get("scheme", "fp16")
+    parse_scheme(scheme.replace(";", ",") if isinstance(scheme, str) else scheme)
+    chunk = args.get("chunk", 1)
+    if not isinstance(chunk, int) or isinstance(chunk, bool):
+        raise TypeError(f"chunk must be an int (tokens per forward), not {type(chunk).__name__} {chunk!r}")
+    if chunk < 1:
+        raise ValueError(f"chunk={chunk!r} must be a positive integer (tokens per forward)")
+    backend = args.get("backend", "auto")
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; known backends: {', '.join(BACKENDS)}")
+    dtype = args.get("dtype", "float32")
+    if not _is_torch_dtype(dtype) and str(dtype) not in DTYPE_ALIASES:
+        raise ValueError(f"unknown dtype {dtype!r}; known dtypes: float32, float16, bfloat16")
+    for name in HUB_ONLY_ARGS:
+        if args.get(name) not in (None, False, "main"):
+            raise ValueError(f"--model_args {name}= is not supported by the kvquant model (no hub access)")
+    pretrained = args.get("pretrained")
+    check_model_path(None if pretrained is None else str(pretrained))
+
+
+def _is_torch_dtype(value: object) -> bool:
+    return type(value).__module__ == "torch" and type(value).__name__ == "dtype"
+
+
+def check_device(device: str | None) -> None:
+    """An accelerator that this torch cannot use is refused (imports torch, not transformers)."""
+    if not device or device == "cpu":
+        return
+    import torch
+
+    kind = torch.device(device).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(
+            f"--device {device}: torch {torch.__version__} sees no CUDA device; use --device cpu"
+        )
+    if kind == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"--device {device}: MPS is not available here; use --device cpu")
+
+
+def _fail(message: str) -> None:
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def cli(argv: Sequence[str] | None = None) -> None:
+    """lm-eval's CLI: parse, check the kvquant model's arguments, then register the model and run."""
+    from lm_eval._cli.harness import HarnessCLI
+    from lm_eval.utils import setup_logging
+
+    try:
+        sys.argv = [sys.argv[0], *(sys.argv[1:] if argv is None else argv)]
+        parser = HarnessCLI()
+        args = parser.parse_args()  # usage errors exit here, with status 2
+        if getattr(args, "command", None) == "run" and getattr(args, "model", None) == "kvquant":
+            try:
+                check_model_args(getattr(args, "model_args", None) or {})
+                check_device(getattr(args, "device", None))
+            except (ValueError, TypeError, OSError) as e:  # SchemeError, FileNotFoundError included
+                _fail(str(e))
+        setup_logging()
+        import kvquant.eval.lm_eval_model  # noqa: F401 - registers the `kvquant` model (heavy imports)
+
+        parser.execute(args)
+    except KeyboardInterrupt:
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        raise SystemExit(130) from None
+
+
+if __name__ == "__main__":
+    cli()

@@ -1,0 +1,731 @@
+"""The serving simulation behind `experiments/serve.py`: requests sharing a system prompt, run on a shared
+page store with and without prefix caching and under each eviction policy, for several schemes.
+
+Workload: N requests = one system prompt of P tokens (a Wikipedia article's opening) + a message of its own
+(a slice of another article), `context` tokens in all, then `reply` tokens. The reference is the FP16 model
+without any cache machinery (transformers' DynamicCache): its greedy reply of each request. Every other run
+decodes teacher-forced on that reply, so all runs hold the same tokens and `agreement` is the fraction of
+reply positions where the run's greedy token equals the reference's.
+
+Per (scheme, prefix cache on/off, policy) row: time to first token per request (prefill, lookup included),
+tokens computed vs reused, prefix hit rate, bytes held over time (the store's pages at FP16, the deployment
+dtype), peak bytes vs the budget, pages evicted, failed requests, agreement; for the no-eviction rows also
+how many requests fit in a fixed budget (prefills admitted until the budget refuses), against the formula
+(`kvquant.memory.capacity`).
+
+Run directory (as `experiments/run.py`): config.json, results.jsonl (one line per request, per fit probe, per
+timeline sample), summary.csv, report.md, serve.png.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+__all__ = ["SUMMARY_COLUMNS", "ServeConfig", "ServeError", "check_config", "run", "build_workload"]
+
+logger = logging.getLogger(__name__)
+
+SUMMARY_COLUMNS = (
+    "scheme,prefix_cache,policy,requests,ttft_mean_s,ttft_after_first_s,computed_tokens,reused_tokens,"
+    "hit_rate,ttft_hit_s,ttft_miss_s,peak_bytes,budget_bytes,evicted_pages,failed_requests,agreement,fit_requests,"
+    "fit_formula,fit_budget_bytes,wall_s"
+).split(",")
+WANDB_MODES = ("online", "offline", "disabled")
+
+
+class ServeError(ValueError):
+    """Bad input to the simulation, found before any long work."""
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    schemes: tuple[str, ...] = ("fp16", "int4-g64", "kivi-4")
+    requests: int = 8
+    context: int = 512  # prompt tokens per request (system prompt + message)
+    shared_fraction: float = 0.5  # P / context
+    reply: int = 16  # reply tokens per request
+    index: str = "radix"  # prefix index when prefix caching is on: radix | hash
+    policies: tuple[str, ...] = ("lru", "radix-lru", "sliding:128")
+    concurrency: int = 2  # requests running at once in the eviction rows
+    # the eviction rows' budget, between what the running requests of the same scheme's prefix-cache row
+    # without a budget held at most (R) and that row's peak with every cached unit (P): R + f * (P - R), so
+    # cached units must be evicted while the running requests always fit
+    budget_fraction: float = 0.5
+    fit_fp16_requests: int = 4  # the fit probe's budget: this many FP16 requests of `context` tokens
+    fit_max: int = 48  # the fit probe stops here
+    block_size: int = 16
+    seed: int = 0
+    model: str | None = None
+    dtype: str = "float32"
+    device: str = "cpu"
+    threads: int = 1  # torch threads: on a shared 2-core machine one thread is several times faster
+    out: str | None = None
+    force: bool = False
+    wandb: str = "disabled"
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def shared_tokens(self) -> int:
+        return int(round(self.context * self.shared_fraction))
+
+
+def check_config(config: ServeConfig) -> None:
+    """Refuse bad values before torch is imported (schemes, policies, sizes, the run directory)."""
+    from kvquant.scheme import SchemeError, parse_scheme
+
+    if not config.schemes:
+        raise ServeError("name at least one scheme")
+    for s in config.schemes:
+        try:
+            parse_scheme(s)
+        except SchemeError as e:
+            raise ServeError(str(e)) from None
+    for name, value, low in (
+        ("requests", config.requests, 1),
+        ("context", config.context, 2),
+        ("reply", config.reply, 1),
+        ("concurrency", config.concurrency, 1),
+        ("fit-fp16-requests", config.fit_fp16_requests, 0),
+        ("block-size", config.block_size, 1),
+    ):
+        if not isinstance(value, int) or value < low:
+            raise ServeError(f"--{name} must be an integer >= {low}, got {value!r}")
+    if not 0 <= config.shared_fraction < 1:
+        raise ServeError(f"--shared-fraction must be in [0, 1), got {config.shared_fraction}")
+    if not 0 <= config.budget_fraction < 1:
+        raise ServeError(f"--budget-fraction must be in [0, 1), got {config.budget_fraction}")
+    if config.index not in ("radix", "hash"):
+        raise ServeError(f"unknown --index {config.index!r}; known: radix, hash")
+    for p in config.policies:
+        _check_policy(p, config.index)
+    if config.wandb not in WANDB_MODES:
+        raise ServeError(f"unknown --wandb mode {config.wandb!r}; known: {', '.join(WANDB_MODES)}")
+    if config.dtype not in ("float32", "float64", "bfloat16", "float16"):
+        raise ServeError(f"--dtype must be float32, float64, bfloat16 or float16, got {config.dtype!r}")
+    if config.out and Path(config.out).exists() and any(Path(config.out).iterdir()) and not config.force:
+        raise ServeError(
+            f"{config.out} exists and is not empty; pass --force to replace it or choose another --out"
+        )
+
+
+def _check_policy(name: str, index: str) -> None:
+    import re
+
+    text = name.strip().lower()
+    if text in ("none", "lru") or re.fullmatch(r"sliding:[1-9]\d*", text):
+        return
+    if text == "radix-lru":
+        if index != "radix":
+            raise ServeError("the radix-lru policy needs --index radix")
+        return
+    raise ServeError(
+        f"unknown eviction policy {name!r}; known: none, lru, radix-lru, sliding:W "
+        "(W tokens, e.g. sliding:128)"
+    )
+
+
+# ------------------------------------------------------------------------------------------- workload
+
+
+@dataclass(frozen=True)
+class Request:
+    name: str
+    prompt: list[int]  # system prompt + message
+    shared: int  # tokens of the system prompt
+
+
+def build_workload(tokenizer, n: int, context: int, shared: int, seed: int = 0) -> list[Request]:
+    """n requests of `context` tokens: the first `shared` from one Wikipedia article, the rest from others."""
+    import random
+
+    from kvquant.eval.data import load_corpus
+
+    docs = load_corpus("wikipedia")
+    rng = random.Random(seed)
+    order = list(range(len(docs)))
+    rng.shuffle(order)
+    system = tokenizer(docs[order[0]].text, add_special_tokens=False)["input_ids"][:shared]
+    own = context - shared
+    pool: list[list[int]] = []
+    for i in order[1:]:
+        ids = tokenizer(docs[i].text, add_special_tokens=False)["input_ids"]
+        pool += [ids[j : j + own] for j in range(0, len(ids) - own + 1, max(own, 1) * 4)][:4]
+        if len(pool) >= n:
+            break
+    if len(system) < shared or len(pool) < n:
+        raise ServeError(f"the corpus is too short for {n} requests of {context} tokens")
+    return [Request(f"request {k + 1}", system + pool[k], shared) for k in range(n)]
+
+
+# ------------------------------------------------------------------------------------------ measuring
+
+
+@dataclass
+class RowResult:
+    scheme: str
+    prefix_cache: str
+    policy: str
+    budget_bytes: int | None
+    requests: list[dict] = field(default_factory=list)
+    timeline: list[dict] = field(default_factory=list)
+    peak_bytes: int = 0
+    running_peak_bytes: int = 0  # the most bytes the running requests' pages took (shared ones once)
+    evicted_pages: int = 0
+    hit_rate: float = 0.0
+    wall_s: float = 0.0
+
+
+def reference_replies(model, workload: list[Request], reply: int) -> list[list[int]]:
+    """Greedy replies of the FP16 model with transformers' DynamicCache (no kvquant storage at all)."""
+    import torch
+    from transformers import DynamicCache
+
+    out = []
+    with torch.no_grad():
+        for r in workload:
+            cache = DynamicCache(config=model.config)
+            logits = model(torch.tensor([r.prompt]), cache=cache, logits_to_keep=1).logits[0, -1]
+            toks = [int(logits.argmax())]
+            while len(toks) < reply:
+                logits = model(torch.tensor([[toks[-1]]]), cache=cache).logits[0, -1]
+                toks.append(int(logits.argmax()))
+            out.append(toks)
+    return out
+
+
+def simulate(
+    engine, workload: list[Request], refs: list[list[int]], concurrency: int, label: dict
+) -> RowResult:
+    """Run the requests `concurrency` at a time (admit one per tick, then one decoding step for each running
+    request), teacher-forced on the reference replies."""
+    from kvquant.store import BudgetError
+
+    row = RowResult(label["scheme"], label["prefix_cache"], label["policy"], engine.store.budget_bytes)
+    pending, running = deque(range(len(workload))), []
+    t0, tick = time.perf_counter(), 0
+    store = engine.store
+    while pending or running:
+        if pending and len(running) < concurrency:
+            k = pending.popleft()
+            req, cache = workload[k], engine.open(workload[k].name)
+            try:
+                # the system prompt's end is a registration point when prefixes are cached (windowed schemes
+                # resume only where their FP window was cached); without a prefix cache one forward
+                bounds = [req.shared] if engine.index is not None else []
+                pre = engine.prefill(cache, req.prompt, boundaries=bounds)
+            except BudgetError as e:
+                engine.close(cache)
+                row.requests.append(dict(request=k, status="failed", error=str(e)))
+                logger.warning("%s failed: %s", req.name, e)
+            else:
+                st = dict(k=k, cache=cache, ids=list(req.prompt), logits=pre.logits, pos=0, agree=0)
+                st["stats"] = dict(
+                    request=k,
+                    status="ok",
+                    ttft_s=pre.seconds,
+                    reused=pre.hit.reused,
+                    computed=pre.computed,
+                    matched_units=pre.hit.matched_units,
+                )
+                running.append(st)
+        for st in list(running):
+            ref = refs[st["k"]]
+            st["agree"] += int(st["logits"].argmax()) == ref[st["pos"]]
+            st["pos"] += 1
+            if st["pos"] == len(ref):
+                engine.close(st["cache"], st["ids"])
+                row.requests.append(st["stats"] | {"agreement": st["agree"] / len(ref)})
+                running.remove(st)
+                continue
+            st["ids"].append(ref[st["pos"] - 1])
+            try:
+                st["logits"] = engine.step(st["cache"], ref[st["pos"] - 1])
+            except BudgetError as e:
+                engine.close(st["cache"])
+                row.requests.append(st["stats"] | {"status": "failed", "error": str(e)})
+                logger.warning("%s failed while decoding: %s", workload[st["k"]].name, e)
+                running.remove(st)
+        tick += 1
+        index_bytes = engine.index.held_bytes() if engine.index is not None else 0
+        layers = zip(*(st["cache"].layers for st in running), strict=True) if running else ()
+        running_bytes = (
+            store.tables_bytes(
+                [
+                    ([t for lay in ls for t in (lay.sink_t, lay.recent_t)], [lay.body_t for lay in ls])
+                    for ls in layers
+                ]
+            )
+            if running
+            else 0
+        )
+        row.running_peak_bytes = max(row.running_peak_bytes, running_bytes)
+        row.timeline.append(
+            dict(
+                tick=tick,
+                held_bytes=store.held_bytes(),
+                pages=store.pages_in_use(),
+                index_bytes=index_bytes,
+                running_bytes=running_bytes,
+                running=len(running),
+            )
+        )
+    row.wall_s = time.perf_counter() - t0
+    row.peak_bytes = store.peak_bytes
+    row.evicted_pages = store.evicted_pages
+    row.hit_rate = engine.index.hit_rate if engine.index is not None else 0.0
+    row.requests.sort(key=lambda r: r["request"])
+    return row
+
+
+def fit_requests(
+    model,
+    scheme: str,
+    workload: list[Request],
+    budget: int,
+    prefix_cache: str | None,
+    block_size: int,
+    limit: int,
+) -> int:
+    """Requests admitted (prefilled and held) one after another until the budget refuses the next."""
+    from kvquant.serving import Engine
+    from kvquant.store import BudgetError
+
+    engine = Engine(
+        model,
+        scheme,
+        prefix_cache=prefix_cache,
+        policy="lru" if prefix_cache else "none",
+        budget_bytes=budget,
+        block_size=block_size,
+    )
+    held, n = [], 0
+    try:
+        for k in range(limit):
+            req = workload[k % len(workload)]
+            cache = engine.open(f"fit {k}")
+            try:
+                engine.prefill(cache, req.prompt, boundaries=[req.shared])
+            except BudgetError:
+                engine.close(cache)
+                break
+            held.append(cache)
+            n += 1
+    finally:
+        for cache in held:
+            engine.close(cache)
+        if engine.index is not None:
+            engine.index.clear()
+        engine.store.check()
+    return n
+
+
+def _forcing_budget(row: RowResult, fraction: float, model, block_size: int) -> int:
+    """R + fraction * (P - R) (see ServeConfig.budget_fraction), R with a margin of two FP16 pages per layer
+    and sequence: the running requests were sampled once per tick, a forward may take a little more."""
+    from kvquant import memory
+
+    shape = memory.KVShape.from_config(model.config)
+    margin = 2 * 2 * shape.num_layers * shape.num_kv_heads * block_size * shape.head_dim * 2
+    running = row.running_peak_bytes + margin
+    return int(running + fraction * max(row.peak_bytes - running, 0))
+
+
+def paired_ttft(
+    model, scheme: str, workload: list[Request], index: str, block_size: int
+) -> tuple[float, float]:
+    """Median time to first token of requests 2..N as a prefix hit and as a miss, measured back to back
+    (alternating which goes first), so that the ratio is not the load of a shared machine drifting between
+    rows. Request 1 computes and caches the system prompt; hits reuse only that (misses are not
+    registered)."""
+    import statistics
+
+    from kvquant.serving import Engine
+
+    on = Engine(model, scheme, prefix_cache=index, block_size=block_size)
+    off = Engine(model, scheme, prefix_cache=None, block_size=block_size)
+    first = workload[0]
+    cache = on.open()
+    on.prefill(cache, first.prompt, boundaries=[first.shared])
+    on.close(cache, first.prompt)
+    hits, misses = [], []
+    for k, req in enumerate(workload[1:]):
+        for engine in (on, off) if k % 2 else (off, on):
+            cache = engine.open()
+            pre = engine.prefill(cache, req.prompt)
+            engine.close(cache)
+            (hits if engine is on else misses).append(pre.seconds)
+    on.index.clear()
+    for engine in (on, off):
+        engine.store.check()
+        assert engine.store.pages_in_use() == 0
+    return statistics.median(hits), statistics.median(misses)
+
+
+def _summary_row(
+    row: RowResult, fit: tuple[int, int, int] | None, paired: tuple[float, float] | None = None
+) -> dict:
+    ok = [r for r in row.requests if r["status"] == "ok"]
+    ttft = [r["ttft_s"] for r in ok]
+    later = [r["ttft_s"] for r in ok if r["request"] > 0]
+    mean = lambda xs: sum(xs) / len(xs) if xs else float("nan")  # noqa: E731
+    return {
+        "scheme": row.scheme,
+        "prefix_cache": row.prefix_cache,
+        "policy": row.policy,
+        "requests": len(row.requests),
+        "ttft_mean_s": mean(ttft),
+        "ttft_after_first_s": mean(later),
+        "computed_tokens": sum(r["computed"] for r in ok),
+        "reused_tokens": sum(r["reused"] for r in ok),
+        "hit_rate": row.hit_rate,
+        "ttft_hit_s": paired[0] if paired else "",
+        "ttft_miss_s": paired[1] if paired else "",
+        "peak_bytes": row.peak_bytes,
+        "budget_bytes": row.budget_bytes if row.budget_bytes is not None else "",
+        "evicted_pages": row.evicted_pages,
+        "failed_requests": len(row.requests) - len(ok),
+        "agreement": mean([r["agreement"] for r in ok]),
+        "fit_requests": fit[0] if fit else "",
+        "fit_formula": fit[1] if fit else "",
+        "fit_budget_bytes": fit[2] if fit else "",
+        "wall_s": row.wall_s,
+    }
+
+
+# ----------------------------------------------------------------------------------------- the run
+
+
+def _load(config: ServeConfig, model=None, tokenizer=None):
+    import torch
+
+    import kvquant
+
+    if model is not None:
+        return model, tokenizer
+    return kvquant.load_model(config.model, dtype=getattr(torch, config.dtype), device=config.device)
+
+
+def run_dir_for(config: ServeConfig) -> Path:
+    if config.out:
+        return Path(config.out)
+    import hashlib
+
+    ident = {k: v for k, v in asdict(config).items() if k not in ("out", "force", "wandb", "extra")}
+    digest = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:8]
+    return Path("runs") / f"serve-N{config.requests}-C{config.context}-P{config.shared_tokens}-{digest}"
+
+
+def run(config: ServeConfig, *, model=None, tokenizer=None) -> tuple[Path, list[dict]]:
+    """The whole simulation; returns (run directory, summary rows)."""
+    check_config(config)
+    import torch
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    from kvquant import memory
+    from kvquant.serving import Engine
+
+    run_dir = run_dir_for(config)
+    if run_dir.exists() and any(run_dir.iterdir()):
+        if not config.force:
+            raise ServeError(f"{run_dir} exists; pass --force to replace it or --out to write elsewhere")
+        import shutil
+
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    model, tokenizer = _load(config, model, tokenizer)
+    t_start = time.perf_counter()
+    workload = build_workload(
+        tokenizer, max(config.requests, 2), config.context, config.shared_tokens, config.seed
+    )
+    workload = workload[: config.requests]
+    logger.info(
+        "reference: FP16 greedy replies of %d requests (%d + %d tokens)",
+        len(workload),
+        config.context,
+        config.reply,
+    )
+    refs = reference_replies(model, workload, config.reply)
+    # the fit probe needs more distinct requests than the simulation
+    probe = build_workload(tokenizer, config.fit_max, config.context, config.shared_tokens, config.seed + 1)
+    cfg_json = asdict(config) | {
+        "kind": "serve",
+        "shared_tokens": config.shared_tokens,
+        "torch": torch.__version__,
+        "num_threads": torch.get_num_threads(),
+        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
+        "bytes": "FP16 (deployment) bytes of pages held in the shared store",
+    }
+    (run_dir / "config.json").write_text(json.dumps(cfg_json, indent=2, default=str))
+    results = (run_dir / "results.jsonl").open("a", encoding="utf-8")
+    summary: list[dict] = []
+    fp16_request = memory.cache_bytes(model.config, "fp16", config.context, block_size=config.block_size)
+    fit_budget = config.fit_fp16_requests * fp16_request
+    try:
+        for scheme in config.schemes:
+            plan = [("off", "none"), (config.index, "none")] + [(config.index, p) for p in config.policies]
+            unbudgeted: RowResult | None = None
+            for prefix, policy in plan:
+                budget = (
+                    None
+                    if policy == "none"
+                    else _forcing_budget(unbudgeted, config.budget_fraction, model, config.block_size)
+                )
+                label = dict(scheme=scheme, prefix_cache=prefix, policy=policy)
+                logger.info("%s", label | {"budget_bytes": budget})
+                engine = Engine(
+                    model,
+                    scheme,
+                    prefix_cache=None if prefix == "off" else prefix,
+                    policy=policy,
+                    budget_bytes=budget,
+                    block_size=config.block_size,
+                )
+                row = simulate(engine, workload, refs, config.concurrency, label)
+                if prefix != "off" and policy == "none":
+                    unbudgeted = row
+                if engine.index is not None:
+                    engine.index.clear()
+                engine.store.check()
+                if engine.store.pages_in_use():
+                    raise RuntimeError(f"{engine.store.pages_in_use()} pages still in use after {label}")
+                fit = None
+                if policy == "none" and config.fit_fp16_requests:
+                    share = 0 if prefix == "off" else config.shared_tokens
+                    measured = fit_requests(
+                        model,
+                        scheme,
+                        probe,
+                        fit_budget,
+                        None if prefix == "off" else prefix,
+                        config.block_size,
+                        config.fit_max,
+                    )
+                    formula = memory.capacity(
+                        model.config, scheme, fit_budget, config.context, share, block_size=config.block_size
+                    ).requests
+                    fit = (measured, formula, fit_budget)
+                    results.write(
+                        json.dumps(
+                            label
+                            | {
+                                "kind": "fit",
+                                "measured": measured,
+                                "formula": formula,
+                                "budget_bytes": fit_budget,
+                            }
+                        )
+                        + "\n"
+                    )
+                paired = None
+                if policy == "none" and prefix != "off" and len(workload) > 1:
+                    paired = paired_ttft(model, scheme, workload, prefix, config.block_size)
+                    results.write(
+                        json.dumps(label | {"kind": "ttft_pair", "hit_s": paired[0], "miss_s": paired[1]})
+                        + "\n"
+                    )
+                for r in row.requests:
+                    results.write(json.dumps(label | {"kind": "request"} | r) + "\n")
+                for t in row.timeline:
+                    results.write(json.dumps(label | {"kind": "timeline"} | t) + "\n")
+                results.flush()
+                summary.append(_summary_row(row, fit, paired))
+    finally:
+        results.close()
+        if summary:
+            write_outputs(run_dir, summary, config)
+    logger.info("simulation took %.0f s", time.perf_counter() - t_start)
+    return run_dir, summary
+
+
+# ----------------------------------------------------------------------------------------- outputs
+
+
+def write_outputs(run_dir: Path, summary: list[dict], config: ServeConfig) -> None:
+    with (run_dir / "summary.csv").open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS)
+        w.writeheader()
+        for r in summary:
+            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+    (run_dir / "report.md").write_text(markdown_table(summary, config) + "\n", encoding="utf-8")
+    try:
+        plot(run_dir, summary)
+    except Exception as e:  # noqa: BLE001 - a plot never costs the results
+        logger.warning("plot failed: %s", e)
+
+
+def _fmt(x, spec: str) -> str:
+    if x == "" or x is None or (isinstance(x, float) and math.isnan(x)):
+        return "–"
+    return format(x, spec)
+
+
+def markdown_table(summary: list[dict], config: ServeConfig | None = None) -> str:
+    """One line per row, then TTFT and capacity ratios within the run."""
+    head = (
+        "| scheme | prefix | policy | TTFT mean s | TTFT after 1st s | computed | reused | hit rate | "
+        "peak MB | budget MB | evicted pages | failed | agreement | fit (measured / formula) |"
+    )
+    lines = [head, "|" + "---|" * 14]
+    for r in summary:
+        mb = lambda b: _fmt(b / 1e6 if b != "" else "", ".2f")  # noqa: E731
+        fit = f"{r['fit_requests']} / {r['fit_formula']}" if r["fit_requests"] != "" else "–"
+        if config is not None and r["fit_requests"] == config.fit_max:
+            fit += " (probe cap)"
+        lines.append(
+            f"| {r['scheme']} | {r['prefix_cache']} | {r['policy']} | {_fmt(r['ttft_mean_s'], '.3f')} | "
+            f"{_fmt(r['ttft_after_first_s'], '.3f')} | {r['computed_tokens']} | {r['reused_tokens']} | "
+            f"{_fmt(r['hit_rate'], '.2f')} | {mb(r['peak_bytes'])} | {mb(r['budget_bytes'])} | "
+            f"{r['evicted_pages']} | {r['failed_requests']} | {_fmt(r['agreement'], '.3f')} | {fit} |"
+        )
+    notes = []
+    by = {(r["scheme"], r["prefix_cache"], r["policy"]): r for r in summary}
+    schemes = list(dict.fromkeys(r["scheme"] for r in summary))
+    for s in schemes:
+        on = next((r for k, r in by.items() if k[0] == s and k[1] != "off" and k[2] == "none"), None)
+        if on and on["ttft_hit_s"] != "":
+            ratio = on["ttft_hit_s"] / on["ttft_miss_s"]
+            notes.append(
+                f"- {s}: TTFT of a prefix hit / a miss = {on['ttft_hit_s']:.3f} s / "
+                f"{on['ttft_miss_s']:.3f} s = {ratio:.2f} (medians over requests 2..N, measured back to "
+                f"back; in the rows {on['reused_tokens']} of {on['reused_tokens'] + on['computed_tokens']} "
+                "prompt tokens were reused)"
+            )
+    fp = by.get(("fp16", "off", "none"))
+    if fp and fp["fit_requests"]:
+        for s in schemes:
+            for k, r in by.items():
+                if k[0] == s and k[2] == "none" and r["fit_requests"] != "":
+                    notes.append(
+                        f"- requests held in {r['fit_budget_bytes'] / 1e6:.1f} MB: {s} prefix {k[1]}: "
+                        f"{r['fit_requests']} (formula {r['fit_formula']}), "
+                        f"{r['fit_requests'] / fp['fit_requests']:.2f}x FP16 without sharing"
+                    )
+    return "\n".join(lines + [""] + notes)
+
+
+def plot(run_dir: Path, summary: list[dict]) -> Path:
+    """serve.png: bytes held over time, one panel per scheme (a line per prefix cache / policy, the budget
+    dotted); and the paired time to first token of a prefix hit vs a miss per scheme."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines() if line.strip()]
+    schemes = list(dict.fromkeys(r["scheme"] for r in summary))
+    fig, axes = plt.subplots(1, len(schemes) + 1, figsize=(5 * (len(schemes) + 1), 4.2), squeeze=False)
+    for ax, scheme in zip(axes[0], schemes, strict=False):
+        series: dict[str, list[tuple[int, int]]] = {}
+        for r in rows:
+            if r["kind"] == "timeline" and r["scheme"] == scheme:
+                series.setdefault(f"{r['prefix_cache']} / {r['policy']}", []).append(
+                    (r["tick"], r["held_bytes"])
+                )
+        for name, pts in series.items():
+            ax.plot([t for t, _ in pts], [b / 1e6 for _, b in pts], label=name, lw=1.2)
+        for r in summary:
+            if r["scheme"] == scheme and r["budget_bytes"] != "":
+                ax.axhline(r["budget_bytes"] / 1e6, color="grey", ls=":", lw=0.8)
+                break
+        ax.set_title(f"{scheme}: MB held (FP16 pages)")
+        ax.set_xlabel("tick (an admission + a decoding step per running request)")
+        ax.legend(fontsize=7)
+    ax = axes[0][-1]
+    paired = [r for r in summary if r["ttft_hit_s"] != ""]
+    x = range(len(paired))
+    ax.bar([i - 0.2 for i in x], [r["ttft_miss_s"] for r in paired], 0.4, label="miss")
+    ax.bar([i + 0.2 for i in x], [r["ttft_hit_s"] for r in paired], 0.4, label="prefix hit")
+    ax.set_xticks(list(x), [r["scheme"] for r in paired])
+    ax.set_ylabel("median time to first token (s)")
+    ax.set_title("TTFT, hit vs miss (back to back)")
+    ax.legend()
+    fig.tight_layout()
+    path = run_dir / "serve.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def log_to_wandb(run_dir: Path, mode: str, project: str | None = None, group: str | None = None) -> None:
+    """One W&B run: the summary table, bytes held over time per row, the plot. "disabled" imports nothing."""
+    if mode == "disabled":
+        return
+    import wandb
+
+    rows = list(csv.DictReader((run_dir / "summary.csv").open(encoding="utf-8")))
+    config = json.loads((run_dir / "config.json").read_text())
+    settings = wandb.Settings(
+        silent=True, console="off", x_disable_stats=True, disable_git=True, disable_code=True
+    )
+    with wandb.init(
+        project=project or os.environ.get("WANDB_PROJECT") or "kvquant",
+        group=group or run_dir.name,
+        name="serve",
+        job_type="serve",
+        dir=str(run_dir),
+        mode=mode,
+        config=config,
+        settings=settings,
+    ) as run:
+        run.log(
+            {
+                "summary": wandb.Table(
+                    columns=SUMMARY_COLUMNS, data=[[r[c] for c in SUMMARY_COLUMNS] for r in rows]
+                )
+            }
+        )
+        for p in run_dir.glob("*.png"):
+            run.log({f"plots/{p.stem}": wandb.Image(str(p))})
+
+
+def capacity_table(
+    model: str,
+    gpu_gb: float,
+    schemes: Sequence[str],
+    context: int,
+    shared_prefix: int,
+    weight_bits: int = 16,
+    weights_gb: float | None = None,
+    block_size: int = 16,
+) -> str:
+    """The capacity calculator's table (for `experiments/serve.py capacity`)."""
+    from kvquant import memory
+
+    if model not in memory.KNOWN_SHAPES:
+        raise ServeError(f"unknown model {model!r} for --capacity; known: {', '.join(memory.KNOWN_SHAPES)}")
+    shape = memory.KNOWN_SHAPES[model]
+    weights = (
+        int(weights_gb * 1e9)
+        if weights_gb is not None
+        else memory.weights_bytes(memory.KNOWN_PARAMS[model], weight_bits)
+    )
+    kv = int(gpu_gb * 1e9) - weights
+    if kv <= 0:
+        raise ServeError(
+            f"{model}'s weights take {weights / 1e9:.1f} GB at {weight_bits} bits, more than the "
+            f"{gpu_gb:g} GB given: raise --gpu-gb (several GPUs), lower --weight-bits, or pass --weights-gb"
+        )
+    lines = [
+        f"{model}: {gpu_gb:g} GB - weights {weights / 1e9:.1f} GB = {kv / 1e9:.1f} GB for the KV cache; "
+        f"context {context} tokens, shared prefix {shared_prefix} tokens, pages of {block_size} tokens",
+        "",
+        "| scheme | bytes/request | shared bytes | requests (no sharing) | requests (prefix shared) |",
+        "|---|---|---|---|---|",
+    ]
+    for s in schemes:
+        c = memory.capacity(shape, s, kv, context, shared_prefix, block_size=block_size)
+        lines.append(
+            f"| {s} | {c.request_bytes / 1e6:,.1f} MB | {c.shared_bytes / 1e6:,.1f} MB | "
+            f"{c.requests_unshared} | {c.requests} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,214 @@
+"""Transform codecs: a spec option that changes K/V before an inner codec encodes them and undoes it after
+the inner codec decodes them. Each wraps the codec of the same spec without its option, so they compose in
+the grammar's order (outermost first):
+
+    -center[N]   CenterCodec    x - offset          offset: the mean of each N tokens per (head, channel)
+    -rot[S]      RotationCodec  R x                 R = H diag(s): Walsh-Hadamard, random signs (seed S)
+    -outP        OutlierCodec   x with its top P% magnitudes per (token, head) split off and kept exact
+
+    int4-g64-center-rot-out1: encode = center -> rotate -> split outliers -> int4-g64; decode in reverse.
+
+Fields are the inner codec's plus each transform's own, so bytes, pages and the store follow as for any codec:
+
+    codec      extra field    heads_f   tokens_f   cols_f   dtype
+    center     offset         H         N          D        the K/V dtype (16 / N bits per value at FP16)
+    rotation   (none)
+    outliers   out_values     H         1          k        the K/V dtype   k = ceil(P% of D)
+               out_index      H         1          k        uint8 (D <= 256) or int16
+
+Why these designs:
+- Rotation is exact for attention without touching the query: decode un-rotates, so the reference path sees
+  K and V as they were (up to the quantization error, which the rotation spreads evenly over channels and
+  so shrinks for outlier channels). Sink and window tokens are never rotated. A kernel could instead keep
+  the body rotated: scores q.k = (Rq).(Rk) and output sum_j p_j v_j = R^T sum_j p_j (R v_j) over the body, so
+  rotate the query once per step and rotate the body's part of the output back (two O(D log D) transforms per
+  head and step, outside the kernel), while sinks and window use the plain query and add their part
+  unrotated. That needs the kernel to keep the body's partial output apart; no kernel does yet, so
+  `kernel_layout()` is None and attention takes the reference path.
+- The key offset is stored per block of N tokens (not kept as per-sequence state), so a page is
+  self-contained: prefix sharing, beams (pages shared by reference) and crops need nothing more, and the
+  result does not depend on how tokens were chunked. A slowly drifting offset (the low-frequency RoPE pairs
+  that carry most of a key bias) is followed block by block. It costs 16/N bits per value at FP16 and
+  holds up to N - 1 more tokens in the FP window. A calibrated per-layer offset (no bytes per token) would
+  need
+  the layer index and a calibration file; see `kvquant.diagnose` for when any of this is needed.
+- Outliers are chosen per (token, head) vector, a fixed count k, so every token costs the same bytes (pages
+  need fixed sizes). Their positions are filled, before the inner codec sees them, with the nearest value
+  inside the range of the non-outliers of the inner codec's block, so they never widen a block's range.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+
+import torch
+
+from .codec import Codec, Field, KernelLayout, codec_for
+from .scheme import QuantSpec, outlier_count, rotation_block
+
+__all__ = ["CenterCodec", "OutlierCodec", "RotationCodec", "hadamard_signs", "rotate", "unrotate", "fwht"]
+
+
+class _Wrapper(Codec):
+    """A transform around the codec of the same spec without the transform's option (`option`)."""
+
+    option: str = ""
+
+    def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
+        super().__init__(spec, heads, head_dim, dtype)
+        self.inner = codec_for(dataclasses.replace(spec, **{self.option: None}), heads, head_dim, dtype)
+
+    def fields(self) -> dict[str, Field]:
+        return dict(self.inner.fields())
+
+    @property
+    def token_group(self) -> int:
+        return math.lcm(*(f.tokens for f in self.fields().values()))
+
+    def kernel_layout(self) -> KernelLayout | None:
+        return None  # no kernel applies the transform: reference path
+
+    def bind(self, *, layer: int | None, role: str | None, calib, spec: QuantSpec) -> None:
+        self.inner.bind(layer=layer, role=role, calib=calib, spec=spec)  # a calibrated inner codec's tables
+
+    def batches_with(self, other: Codec) -> bool:
+        return type(self) is type(other) and self.spec == other.spec and self.inner.batches_with(other.inner)
+
+
+# ---------------------------------------------------------------------------------------------- rotation
+
+
+def fwht(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
+    """Orthonormal fast Walsh-Hadamard transform over the last dim in blocks of `block` (a power of two
+    dividing it; default all of it): O(D log D) butterflies, no matrix. Its own inverse.
+    (..., D) -> (..., D)."""
+    d = x.shape[-1]
+    n = block or d
+    if n & (n - 1) or d % n:
+        raise ValueError(
+            f"Walsh-Hadamard blocks of {n} do not tile {d} channels (need a power of two dividing it)"
+        )
+    lead = x.shape[:-1]
+    h = 1
+    while h < n:
+        y = x.reshape(*lead, d // (2 * h), 2, h)  # pairs (i, i + h) within each run of 2h channels
+        a, b = y[..., 0, :], y[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2)
+        h *= 2
+    return x.reshape(*lead, d) * (1.0 / math.sqrt(n))
+
+
+def hadamard_signs(seed: int, head_dim: int) -> torch.Tensor:
+    """The fixed random signs (D,) float32 of rotation seed `seed` (the same on every machine: a CPU
+    generator)."""
+    g = torch.Generator().manual_seed(int(seed))
+    return torch.randint(0, 2, (head_dim,), generator=g).float() * 2 - 1
+
+
+def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """R x = H (s * x) over the last dim (fp32 in, fp32 out)."""
+    return fwht(x * signs.to(x.device), rotation_block(x.shape[-1]))
+
+
+def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """R^T y = s * (H y): the inverse of `rotate` (H is symmetric and orthonormal)."""
+    return fwht(y, rotation_block(y.shape[-1])) * signs.to(y.device)
+
+
+class RotationCodec(_Wrapper):
+    """`-rot[S]`: encode R x with the inner codec; decode, then apply R^T. Fields and bytes: the inner's."""
+
+    option = "rotate"
+
+    def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
+        super().__init__(spec, heads, head_dim, dtype)
+        self.signs = hadamard_signs(spec.rotate, head_dim)
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return self.inner.encode(rotate(x.float(), self.signs).to(self.dtype))
+
+    def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        return unrotate(self.inner.decode(fields, torch.float32), self.signs).to(dtype or self.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- centering
+
+
+class CenterCodec(_Wrapper):
+    """`-center[N]`: subtract the per-(head, channel) mean of each N tokens (stored in the K/V dtype) before
+    the inner codec, add it back after decoding."""
+
+    option = "center"
+
+    def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
+        super().__init__(spec, heads, head_dim, dtype)
+        self.n = spec.center
+
+    def fields(self) -> dict[str, Field]:
+        return {**self.inner.fields(), "offset": Field(self.heads, self.n, self.head_dim, self.dtype)}
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        b, h, t, d = x.shape
+        xf = x.to(self.dtype).float()
+        offset = xf.reshape(b, h, t // self.n, self.n, d).mean(dim=3).to(self.dtype)  # (B, H, T / N, D)
+        rest = xf - offset.float().repeat_interleave(self.n, dim=2)
+        return {**self.inner.encode(rest.to(self.dtype)), "offset": offset.contiguous()}
+
+    def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        rest = self.inner.decode(fields, torch.float32)
+        out = rest + fields["offset"].float().repeat_interleave(self.n, dim=2)
+        return out.to(dtype or self.dtype)
+
+
+# ---------------------------------------------------------------------------------------------- outliers
+
+
+class OutlierCodec(_Wrapper):
+    """`-outP`: the k = ceil(P% of D) largest magnitudes of each (token, head) vector kept exact (value in the
+    K/V dtype + index), the rest encoded by the inner codec over the range of the non-outliers."""
+
+    option = "outliers"
+
+    def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
+        super().__init__(spec, heads, head_dim, dtype)
+        self.k = outlier_count(spec.outliers, head_dim)
+        self.index_dtype = torch.uint8 if head_dim <= 256 else torch.int16
+
+    def fields(self) -> dict[str, Field]:
+        return {
+            **self.inner.fields(),
+            "out_values": Field(self.heads, 1, self.k, self.dtype),
+            "out_index": Field(self.heads, 1, self.k, self.index_dtype),
+        }
+
+    def _fill(self, xf: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """xf with the masked (outlier) elements moved to the nearest value in the range of the unmasked
+        elements of their inner block (0 where a block has nothing else), so they do not set its range."""
+        extent = getattr(self.inner, "extent", None)
+        if extent is None:  # no block statistics to protect (a fixed scale): any in-range value does
+            return torch.where(mask, torch.zeros_like(xf), xf)
+        blocks, m = extent.blocks(xf), extent.blocks(mask)
+        lo = torch.where(m, torch.inf, blocks).amin(dim=-1, keepdim=True)
+        hi = torch.where(m, -torch.inf, blocks).amax(dim=-1, keepdim=True)
+        filled = torch.where(lo <= hi, torch.minimum(torch.maximum(blocks, lo), hi), 0.0)
+        return extent.unblocks(torch.where(m, filled, blocks), xf.shape)
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        xf = x.to(self.dtype).float()
+        index = xf.abs().topk(self.k, dim=-1).indices  # (B, H, T, k); NaN and Inf count as largest
+        values = xf.gather(-1, index)
+        mask = torch.zeros_like(xf, dtype=torch.bool).scatter_(-1, index, True)
+        fields = self.inner.encode(self._fill(xf, mask).to(self.dtype))
+        return {
+            **fields,
+            "out_values": values.to(self.dtype).contiguous(),
+            "out_index": index.to(self.index_dtype).contiguous(),
+        }
+
+    def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        dense = self.inner.decode(fields, torch.float32)
+        index = fields["out_index"].long()
+        out = dense.scatter(-1, index, fields["out_values"].float())
+        return out.to(dtype or self.dtype)

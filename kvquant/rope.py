@@ -1,0 +1,128 @@
+"""A model's rotary position embedding (RoPE), applied and inverted at given positions: what `-prerope` keys need.
+
+The cache receives keys after the model applied RoPE. A `-prerope` key spec stores them before it: the cache
+inverts the rotation at each key's position on the way in (`Rope.invert`), the codec quantizes the un-rotated
+key, and the reference attention path re-applies the rotation after decoding (`Rope.apply`). Quantization then
+sees the channels' own statistics, which RoPE otherwise spins at a position-dependent rate (KVQuant, sec. 3.2).
+
+What is reproduced: transformers' rotate-half RoPE over the whole head dim,
+
+    k_rope = k * cos + rotate_half(k) * sin,   cos, sin = cat(f, f).cos() * a, ... with f = position * inv_freq
+
+with cos/sin computed in float32 exactly as the model's rotary embedding does (inv_freq and the attention
+scaling a from the model's own rotary module), then cast to the tensor's dtype. The inverse divides by
+cos^2 + sin^2 (the 2x2 rotation's determinant, not exactly a^2 in float32), in float64, so invert-then-apply
+returns the model's key to the rounding of the compute dtype (1e-16 in float64).
+
+Supported RoPE types: default, linear, llama3, yarn (frequencies fixed once). Refused: dynamic and longrope
+(their frequencies change with the sequence length), and models whose RoPE is not rotate-half over the full
+head dim or differs by layer (Gemma-3's local/global bases, partial rotary factors): `Rope.from_config` raises
+naming the type. Positions are cache indices: with left padding, a padded row's keys are un-rotated by an
+angle offset by its padding (a fixed rotation for the whole row), and re-rotated by the same, so attention
+is still exact; only the frame the quantizer sees is turned by that constant.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+__all__ = ["Rope", "RopeError", "SUPPORTED_ROPE_TYPES", "ROTATE_HALF_MODELS"]
+
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# model types whose attention applies transformers' rotate-half RoPE to all of head_dim, one RoPE for all layers
+ROTATE_HALF_MODELS = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen2_moe",
+    "qwen3",
+    "qwen3_moe",
+    "granite",
+    "olmo2",
+)
+
+
+class RopeError(ValueError):
+    """A model whose rotary embedding `-prerope` cannot invert exactly."""
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Rope:
+    """inv_freq (D/2,) float32 and the attention scaling of a model's rotary embedding."""
+
+    def __init__(self, inv_freq: torch.Tensor, attention_scaling: float = 1.0, rope_type: str = "default"):
+        self.inv_freq = inv_freq.detach().float().cpu()
+        self.attention_scaling = float(attention_scaling)
+        self.rope_type = rope_type
+        self.head_dim = 2 * self.inv_freq.numel()
+
+    @classmethod
+    def from_config(cls, config) -> Rope:
+        """The rotary embedding a transformers model builds from `config` (RopeError if unsupported)."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        model_type = getattr(text, "model_type", None)
+        if model_type not in ROTATE_HALF_MODELS:
+            raise RopeError(
+                f"-prerope cannot invert the RoPE of model type {model_type!r}; supported model types: "
+                f"{', '.join(ROTATE_HALF_MODELS)} (rotate-half RoPE over the full head dim, one for all layers)"
+            )
+        params = getattr(text, "rope_parameters", None) or {}
+        rope_type = (
+            params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else None
+        )
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise RopeError(
+                f"-prerope does not support RoPE type {rope_type!r} ({params}); supported: "
+                f"{', '.join(SUPPORTED_ROPE_TYPES)} (dynamic and longrope change their frequencies with the length)"
+            )
+        if (
+            float(params.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0)) or 1.0)
+            != 1.0
+        ):
+            raise RopeError("-prerope supports RoPE over the full head dim only (partial_rotary_factor != 1)")
+        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+        rotary = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding")]
+        if len(rotary) != 1:
+            raise RopeError(f"cannot find the rotary embedding of model type {model_type!r}")
+        emb = rotary[0](text)
+        return cls(emb.inv_freq, emb.attention_scaling, rope_type)
+
+    def cos_sin(
+        self, start: int, length: int, dtype: torch.dtype, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (length, D) of positions start.., computed as the model does (float32), cast to dtype."""
+        pos = torch.arange(start, start + length, device=device)
+        freqs = pos[:, None].float() * self.inv_freq.to(device)[None, :]  # (T, D/2) float32
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(dtype), (emb.sin() * self.attention_scaling).to(dtype)
+
+    def _check(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.head_dim:
+            raise RopeError(f"RoPE of head_dim {self.head_dim} cannot rotate keys of head_dim {x.shape[-1]}")
+
+    def apply(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x (B, H, T, D) at positions start.. -> rotated as the model rotates keys (same ops, x's dtype;
+        at least float32 for half-precision x)."""
+        self._check(x)
+        dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+        cos, sin = self.cos_sin(start, x.shape[2], dtype, x.device)
+        y = x.to(dtype)
+        return (y * cos + rotate_half(y) * sin).to(x.dtype)
+
+    def invert(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """The exact inverse of `apply` (in float64): x (B, H, T, D) rotated at positions start.. -> pre-RoPE."""
+        self._check(x)
+        cos, sin = self.cos_sin(start, x.shape[2], x.dtype, x.device)  # the values `apply` multiplies by
+        c, s, y = cos.double(), sin.double(), x.double()
+        # per pair (y1, y2): apply is [[c, -s], [s, c]]; its inverse is [[c, s], [-s, c]] / (c^2 + s^2)
+        return ((y * c - rotate_half(y) * s) / (c * c + s * s)).to(x.dtype)
+
+    def __repr__(self) -> str:
+        return f"Rope({self.rope_type}, head_dim={self.head_dim}, scaling={self.attention_scaling})"

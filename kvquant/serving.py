@@ -1,0 +1,218 @@
+"""Serving on a shared page store: an `Engine` (model + `KVStore` + prefix index + eviction policy) that
+runs requests, and a multi-turn `Session` on it.
+
+    engine = Engine(model, "int4-g64", prefix_cache="radix", policy="lru", budget_bytes=256 << 20)
+    chat = Session(engine)
+    reply = chat.send(tokenizer(system + question)["input_ids"], max_new_tokens=32)
+    reply2 = chat.send(tokenizer(follow_up)["input_ids"])      # every page of turn 1 is reused
+    chat.close()                                                # its pages stay cached for other requests
+
+A request's prefill looks its prompt up in the prefix index (`kvquant.prefix.attach`), computes the rest,
+and registers its complete units (after every prefill chunk, and when it ends) so later requests reuse them.
+The eviction policy (`kvquant.evict`) frees cached units when an allocation would exceed the budget, and
+trims running sequences after every forward (`sliding:W`). All requests run one at a time through the model
+(no batching); they hold pages concurrently, which is what the budget measures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .cache import QuantizedCache
+from .evict import EvictionPolicy, NoEviction, RadixLRU, make_policy
+from .prefix import Hit, PrefixIndex, attach, make_index, register
+from .store import KVStore
+
+__all__ = ["Engine", "Prefill", "Session", "cache_bytes"]
+
+logger = logging.getLogger(__name__)
+
+
+def cache_bytes(store: KVStore, cache: QuantizedCache) -> int:
+    """Bytes of the distinct pages one cache holds, at the store's accounting dtype (shared ones too)."""
+    tables = []
+    for layer in cache.layers:
+        if layer.is_initialized:
+            tables.append(([layer.sink_t, layer.recent_t], [layer.body_t]))
+        else:
+            tables.append(([], []))
+    return store.tables_bytes(tables)
+
+
+@dataclass(frozen=True)
+class Prefill:
+    """A prefill's outcome: the last position's logits (V,), what the index gave, and the time it took."""
+
+    logits: torch.Tensor
+    hit: Hit
+    computed: int  # tokens run through the model
+    seconds: float  # time to first token: lookup + adoption + forward(s)
+
+
+class Engine:
+    """A model with a shared page store, an optional prefix cache and an eviction policy.
+
+    Args:
+        model: a model with kvquant's attention (`kvquant.load_model`).
+        scheme: the KV scheme of every request.
+        prefix_cache: "hash", "radix" or None (no sharing between requests).
+        policy: an eviction policy or its name ("none", "lru", "radix-lru", "sliding:W").
+        budget_bytes: the store's byte budget at the accounting dtype (FP16), or None.
+        prefill_chunk: tokens per prefill forward (None: the whole prompt, split only at `boundaries`).
+    """
+
+    def __init__(
+        self,
+        model,
+        scheme,
+        *,
+        prefix_cache: str | None = "radix",
+        policy: str | EvictionPolicy = "none",
+        budget_bytes: int | None = None,
+        block_size: int = 16,
+        prefill_chunk: int | None = None,
+        capacity_tokens: int = 256,
+    ):
+        self.model = model
+        self.store = KVStore(
+            model.config,
+            scheme,
+            dtype=model.dtype,
+            device=model.device,
+            block_size=block_size,
+            capacity_tokens=capacity_tokens,
+            budget_bytes=budget_bytes,
+        )
+        self.scheme = self.store.scheme
+        self.index: PrefixIndex | None = make_index(prefix_cache, self.store) if prefix_cache else None
+        self.policy = make_policy(policy)
+        if isinstance(self.policy, RadixLRU) and (self.index is None or self.index.kind != "radix"):
+            raise ValueError("the radix-lru policy evicts radix-tree leaves: use prefix_cache='radix'")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
+        if self.index is not None and not isinstance(self.policy, NoEviction):
+            self.store.evictor = self._evict
+            self.store.evictor_label = f"policy {self.policy} over the {self.index.kind} prefix cache"
+        if self.index is not None:
+            self.store.holders["prefix cache"] = self._index_bytes
+        self._open = 0
+
+    def _evict(self, need_bytes: int) -> int:
+        return self.policy.evict(self.index, need_bytes)
+
+    def _index_bytes(self) -> int:
+        return self.index.held_bytes()
+
+    def __repr__(self) -> str:
+        index = self.index.kind if self.index is not None else "off"
+        return f"Engine({self.scheme}, prefix cache {index}, policy {self.policy}, {self.store!r})"
+
+    # ---- requests
+
+    def open(self, name: str | None = None) -> QuantizedCache:
+        """A new empty cache on the shared store, listed as a holder under `name`."""
+        self._open += 1
+        name = name or f"request {self._open}"
+        cache = QuantizedCache(self.scheme, self.model.config, store=self.store)
+        cache.name = name
+        self.store.holders[name] = lambda: cache_bytes(self.store, cache)
+        return cache
+
+    def close(self, cache: QuantizedCache, ids: Sequence[int] | None = None) -> None:
+        """End a request: register its units (ids: the tokens it holds) and release its pages."""
+        if ids is not None and self.index is not None:
+            register(cache, ids, self.index)
+        cache.reset()
+        self.store.holders.pop(getattr(cache, "name", None), None)
+
+    def unit_boundary(self, tokens: int) -> int:
+        """The largest position <= tokens where a cached prefix can end (sink + a whole number of pages)."""
+        sink, bs = self.scheme.sink, self.store.block_size
+        return tokens if tokens <= sink else sink + (tokens - sink) // bs * bs
+
+    @torch.no_grad()
+    def prefill(self, cache: QuantizedCache, ids: Sequence[int], boundaries: Sequence[int] = ()) -> Prefill:
+        """Run the prompt `ids` (the whole sequence so far; a cache that already holds a prefix of it, as in a
+        later turn, computes only the rest). An empty cache first adopts the longest cached prefix.
+        `boundaries`: positions (e.g. a shared system prompt's end) where a forward ends and the cache is
+        registered, so that windowed schemes can resume there (their FP window is cached at that point)."""
+        ids = [int(t) for t in ids]
+        t0 = time.perf_counter()
+        hit = Hit(0, 0, 0)
+        if self.index is not None and cache.get_seq_length() == 0:
+            hit = attach(cache, ids, self.index)
+        start = cache.get_seq_length()
+        if start >= len(ids):
+            raise ValueError(
+                f"the cache already holds {start} tokens of this {len(ids)}-token prompt; "
+                "a prompt must add at least one token"
+            )
+        cuts = sorted({self.unit_boundary(b) for b in boundaries if start < self.unit_boundary(b) < len(ids)})
+        if self.prefill_chunk:
+            cuts = sorted(set(cuts) | set(range(start + self.prefill_chunk, len(ids), self.prefill_chunk)))
+        out = None
+        try:
+            for lo, hi in zip([start, *cuts], [*cuts, len(ids)], strict=True):
+                x = torch.tensor([ids[lo:hi]], device=self.model.device)
+                out = self.model(x, cache=cache, logits_to_keep=1)
+                if self.index is not None and hi < len(ids):
+                    register(cache, ids, self.index)
+                self.policy.on_step(cache)
+        except BaseException:
+            cache.reset()  # a forward cut short leaves layers at different lengths: release everything
+            raise
+        if self.index is not None:
+            register(cache, ids, self.index)
+        logits = out.logits[0, -1]
+        return Prefill(logits, hit, len(ids) - start, time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def step(self, cache: QuantizedCache, token: int) -> torch.Tensor:
+        """One decoding step: feed `token`, return the next token's logits (V,)."""
+        try:
+            out = self.model(torch.tensor([[int(token)]], device=self.model.device), cache=cache)
+        except BaseException:
+            cache.reset()
+            raise
+        self.policy.on_step(cache)
+        return out.logits[0, -1]
+
+
+class Session:
+    """A multi-turn conversation: one cache across turns, so each turn computes only its new tokens.
+
+    `send` appends a user message (token ids), runs it, and decodes a greedy reply; the reply's last token
+    is fed at the start of the next turn. `ids` is the whole conversation. The transformers way works too:
+    pass the same `QuantizedCache` to `model.generate` again with the whole conversation's ids."""
+
+    def __init__(self, engine: Engine, name: str | None = None):
+        self.engine = engine
+        self.cache = engine.open(name)
+        self.ids: list[int] = []
+        self.turns: list[Prefill] = []
+
+    def send(
+        self, message: Sequence[int], max_new_tokens: int = 32, eos_token_id: int | None = None
+    ) -> list[int]:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
+        self.ids += [int(t) for t in message]
+        pre = self.engine.prefill(self.cache, self.ids)
+        self.turns.append(pre)
+        reply = [int(pre.logits.argmax())]
+        while len(reply) < max_new_tokens and reply[-1] != eos_token_id:
+            reply.append(int(self.engine.step(self.cache, reply[-1]).argmax()))
+        self.ids += reply
+        if self.engine.index is not None:
+            register(self.cache, self.ids, self.engine.index)
+        return reply
+
+    def close(self) -> None:
+        """End the conversation; its pages stay in the prefix cache (if any) for later requests."""
+        self.engine.close(self.cache, self.ids)
