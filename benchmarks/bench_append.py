@@ -47,11 +47,14 @@ def _commit(module_file: str) -> str:
     try:
         out = subprocess.run(
             ["git", "-C", str(Path(module_file).parent), "rev-parse", "--short", "HEAD"],
-            capture_output=True, text=True, check=True,
+            capture_output=True,
+            text=True,
+            check=True,
         )
         dirty = subprocess.run(
             ["git", "-C", str(Path(module_file).parent), "status", "--porcelain", "--", "."],
-            capture_output=True, text=True,
+            capture_output=True,
+            text=True,
         ).stdout.strip()
         return out.stdout.strip() + ("+dirty" if dirty else "")
     except (OSError, subprocess.CalledProcessError):
@@ -69,15 +72,19 @@ def main(argv: list[str] | None = None) -> None:
     dtype = getattr(torch, a.dtype)
     shape = KVShape(a.layers, a.kv_heads, a.head_dim)
     commit = _commit(kvquant.__file__)
-    print(f"kvquant {commit} ({Path(kvquant.__file__).parent}), scheme {a.scheme}, {a.layers} layers x "
-          f"{a.kv_heads} KV heads x {a.head_dim}, {a.dtype}, {a.threads} thread(s)")
+    print(
+        f"kvquant {commit} ({Path(kvquant.__file__).parent}), scheme {a.scheme}, {a.layers} layers x "
+        f"{a.kv_heads} KV heads x {a.head_dim}, {a.dtype}, {a.threads} thread(s)"
+    )
     rows = []
     for batch in a.batch:
         base = None
         for tokens in a.tokens:
             g = torch.Generator().manual_seed(0)
             try:  # preallocate (a pool that doubles mid-benchmark would time one big copy)
-                cache = kvquant.QuantizedCache(a.scheme, shape, backend="torch", capacity=tokens + 2 * a.steps)
+                cache = kvquant.QuantizedCache(
+                    a.scheme, shape, backend="torch", capacity=tokens + 2 * a.steps
+                )
             except TypeError:  # code without page pools
                 cache = kvquant.QuantizedCache(a.scheme, shape, backend="torch")
             chunk = 2048
@@ -88,19 +95,35 @@ def main(argv: list[str] | None = None) -> None:
                     cache.update(k, k.clone(), layer)
             steps = []
             for _ in range(a.steps):
-                kv = [torch.randn(batch, a.kv_heads, 1, a.head_dim, generator=g).to(dtype) for _ in range(a.layers)]
+                kv = [
+                    torch.randn(batch, a.kv_heads, 1, a.head_dim, generator=g).to(dtype)
+                    for _ in range(a.layers)
+                ]
                 t0 = time.perf_counter()
                 for layer in range(a.layers):
                     cache.update(kv[layer], kv[layer], layer)
                 steps.append(time.perf_counter() - t0)
             med = statistics.median(steps)
             base = base or med
-            print(f"  B={batch:<3} T={tokens:>7}: one step {med * 1e3:8.3f} ms (min {min(steps) * 1e3:.3f}, "
-                  f"max {max(steps) * 1e3:.3f}), {med / base:5.2f}x the T={a.tokens[0]} step; "
-                  f"held {cache.nbytes() / 2**20:.1f} MiB")
-            rows.append(dict(commit=commit, scheme=a.scheme, batch=batch, tokens=tokens, dtype=a.dtype,
-                             threads=a.threads, median_ms=med * 1e3, min_ms=min(steps) * 1e3,
-                             max_ms=max(steps) * 1e3, ratio_to_first=med / base))
+            print(
+                f"  B={batch:<3} T={tokens:>7}: one step {med * 1e3:8.3f} ms (min {min(steps) * 1e3:.3f}, "
+                f"max {max(steps) * 1e3:.3f}), {med / base:5.2f}x the T={a.tokens[0]} step; "
+                f"held {cache.nbytes() / 2**20:.1f} MiB"
+            )
+            rows.append(
+                dict(
+                    commit=commit,
+                    scheme=a.scheme,
+                    batch=batch,
+                    tokens=tokens,
+                    dtype=a.dtype,
+                    threads=a.threads,
+                    median_ms=med * 1e3,
+                    min_ms=min(steps) * 1e3,
+                    max_ms=max(steps) * 1e3,
+                    ratio_to_first=med / base,
+                )
+            )
             del cache
     path = Path(a.csv)
     path.parent.mkdir(parents=True, exist_ok=True)

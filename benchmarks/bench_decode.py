@@ -142,7 +142,6 @@ class _Recorder:
 def sdpa_flash(q, k, v):
     """SDPA pinned to the flash backend (the fair FP16 baseline); (fn, backend name) where flash refuses
     this call (GQA, dtype, CPU), the backend torch picks, named."""
-    import torch
     import torch.nn.functional as F
 
     try:
@@ -274,7 +273,7 @@ def run_point(layout: str, scheme_text: str, t: int, b: int, device, copy_bw: fl
     if not err < 2e-2:
         raise AssertionError(f"{layout} {scheme_text} T={t} B={b}: fused output is off by {err:.3g}")
     split_launch, reduce_launch = rec.launches[-2], rec.launches[-1]
-    replay = lambda l: (lambda: l[0][l[1]](*l[2], **l[3]))  # noqa: E731
+    replay = lambda launch: (lambda: launch[0][launch[1]](*launch[2], **launch[3]))  # noqa: E731
     methods["fused_split_only"] = (replay(split_launch), fused_bytes, "the split kernel alone")
     methods["fused_reduce_only"] = (replay(reduce_launch), 0, "the reduce kernel alone")
 

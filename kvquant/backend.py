@@ -1,8 +1,8 @@
 """Which path serves a call: the Triton kernels or the PyTorch reference. Nothing else decides it.
 
-    "auto"    the kernels on CUDA when triton is importable, else the reference
-    "triton"  the kernels always (on the CPU only under TRITON_INTERPRET=1)
-    "torch"   the reference always
+"auto"    the kernels on CUDA when triton is importable, else the reference
+"triton"  the kernels always (on the CPU only under TRITON_INTERPRET=1)
+"torch"   the reference always
 """
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # this module stays importable without torch (CLIs check a backend name before heavy imports)
+if (
+    TYPE_CHECKING
+):  # this module stays importable without torch (CLIs check a backend name before heavy imports)
     import torch
 
 __all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "KernelHandle", "check_backend", "uses_kernels"]

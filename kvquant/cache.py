@@ -102,7 +102,9 @@ class LayerView:
             parts.append(gather_region({"x": fp}, fp_field, self.sink)["x"].to(dtype))
         if self.body.length:
             # decode_at: a position-dependent codec (pre-RoPE keys) re-applies RoPE at the tokens' positions
-            parts.append(codec.decode_at(gather_region(pages, codec.fields(), self.body), self.body.start, dtype))
+            parts.append(
+                codec.decode_at(gather_region(pages, codec.fields(), self.body), self.body.start, dtype)
+            )
         if self.recent.length:
             parts.append(gather_region({"x": fp}, fp_field, self.recent)["x"].to(dtype))
         if not parts:
@@ -176,8 +178,10 @@ class QuantizedLayer(CacheLayerMixin):
         self.is_sliding = sliding_window is not None
         self.capacity = capacity
         if store is not None and (layer_idx is None or not 0 <= layer_idx < len(store.layers)):
-            raise ValueError(f"a layer on a shared store needs its layer_idx in [0, {len(store.layers)}), "
-                             f"got {layer_idx!r}")
+            raise ValueError(
+                f"a layer on a shared store needs its layer_idx in [0, {len(store.layers)}), "
+                f"got {layer_idx!r}"
+            )
         self.store, self.layer_idx = store, layer_idx
         if scheme.layers:
             raise ValueError("a layer takes its own uniform scheme: pass scheme.for_layer(layer_idx)")
@@ -206,9 +210,13 @@ class QuantizedLayer(CacheLayerMixin):
         else:
             pages = -(-self.capacity // self.block_size) * b
             fp = Field(h, 1, d, self.dtype)
-            why = "" if self.block_size == self.requested_block_size else (
-                f", raised from {self.requested_block_size} to hold whole token groups of "
-                f"{self.key_codec.token_group}/{self.value_codec.token_group} (K/V)"
+            why = (
+                ""
+                if self.block_size == self.requested_block_size
+                else (
+                    f", raised from {self.requested_block_size} to hold whole token groups of "
+                    f"{self.key_codec.token_group}/{self.value_codec.token_group} (K/V)"
+                )
             )
             self.fp_pool = PagePool({"k": fp, "v": fp}, self.block_size, self.device, pages, "fp" + why)
             body_fields = {f"k.{n}": f for n, f in self.key_codec.fields().items()}
@@ -513,8 +521,10 @@ class QuantizedLayer(CacheLayerMixin):
                 f"{self.device}; make the store with the model's dtype and device"
             )
         if lp.sliding_window != self.sliding_window:
-            raise ValueError(f"layer {i}: the store's sliding window {lp.sliding_window} is not the "
-                             f"layer's {self.sliding_window}")
+            raise ValueError(
+                f"layer {i}: the store's sliding window {lp.sliding_window} is not the "
+                f"layer's {self.sliding_window}"
+            )
         fields = {f"k.{n}": f for n, f in self.key_codec.fields().items()}
         fields |= {f"v.{n}": f for n, f in self.value_codec.fields().items()}
         if fields != lp.body.fields or self.block_size != lp.block_size:
@@ -525,7 +535,11 @@ class QuantizedLayer(CacheLayerMixin):
         self.fp_pool, self.body_pool = lp.fp, lp.body  # the codecs stay the layer's (calibration, RoPE)
 
     def adopt_prefix(
-        self, length: int, sink_pages: list[int], body_pages: list[int], recent_first: int,
+        self,
+        length: int,
+        sink_pages: list[int],
+        body_pages: list[int],
+        recent_first: int,
         recent_pages: list[int],
     ) -> None:
         """Start this empty one-sequence layer (on a shared store) at `length` tokens whose pages are shared:
@@ -538,8 +552,10 @@ class QuantizedLayer(CacheLayerMixin):
         if self.sliding_window is not None:
             raise ValueError("prefixes are not shared across sliding-window layers (they release pages)")
         if self.is_initialized and (self.length or self.batch_size != 1):
-            raise ValueError(f"adopt_prefix needs an empty one-sequence layer; this one holds {self.length} "
-                             f"tokens of {self.batch_size} sequences")
+            raise ValueError(
+                f"adopt_prefix needs an empty one-sequence layer; this one holds {self.length} "
+                f"tokens of {self.batch_size} sequences"
+            )
         shape = self.store.shape
         if not self.is_initialized:
             self._init_storage(1, shape.num_kv_heads, shape.head_dim, self.store.dtype, self.store.device)
@@ -683,11 +699,15 @@ class QuantizedCache(Cache):
                     "supported on a shared KVStore yet; use a private cache (no store=)"
                 )
             if config is None:
-                raise ValueError("a cache on a shared store needs the model's config (QuantizedCache(scheme, "
-                                 "model.config, store=store))")
+                raise ValueError(
+                    "a cache on a shared store needs the model's config (QuantizedCache(scheme, "
+                    "model.config, store=store))"
+                )
             if store.shape != KVShape.from_config(config):
-                raise ValueError(f"the shared store was made for {store.shape}, not this model's "
-                                 f"{KVShape.from_config(config)}")
+                raise ValueError(
+                    f"the shared store was made for {store.shape}, not this model's "
+                    f"{KVShape.from_config(config)}"
+                )
         self._fixed_layers = config is not None
         kwargs = dict(backend=backend, block_size=block_size, capacity=capacity, kernels=KernelHandle())
         # codebooks of nuqN specs, loaded once per file (kvquant.calibration; no pickle)
@@ -703,8 +723,13 @@ class QuantizedCache(Cache):
             self._expect = _Expect(getattr(text, "_attn_implementation", None))
             layers = [
                 QuantizedLayer(
-                    self.scheme.for_layer(i), sliding_window=shape.window_of(i), store=store, layer_idx=i,
-                    calib=calib, rope=rope, **kwargs
+                    self.scheme.for_layer(i),
+                    sliding_window=shape.window_of(i),
+                    store=store,
+                    layer_idx=i,
+                    calib=calib,
+                    rope=rope,
+                    **kwargs,
                 )
                 for i in range(shape.num_layers)
             ]
@@ -722,8 +747,10 @@ class QuantizedCache(Cache):
             )
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        if not isinstance(layer_idx, int) or layer_idx < 0 or (
-            self._fixed_layers and layer_idx >= len(self.layers)
+        if (
+            not isinstance(layer_idx, int)
+            or layer_idx < 0
+            or (self._fixed_layers and layer_idx >= len(self.layers))
         ):
             raise ValueError(
                 f"layer_idx {layer_idx!r} is out of range: this cache was built for {len(self.layers)} layers "

@@ -237,6 +237,17 @@ class DenseCodec(Codec):
         return KernelLayout(bits=16)
 
 
+def _scaled_code_fields(codec) -> dict[str, Field]:
+    """Packed `codes` plus a `scale` (and, asymmetric, a `zero`) per block of the codec's extent: the layout
+    of every codec that stores b-bit codes against per-block statistics (affine INT, codebooks)."""
+    e, d = codec.extent, codec.head_dim
+    stat = Field(codec.heads // e.heads, e.tokens, d // e.channels, codec.scale_dtype)
+    out = {"codes": Field(codec.heads, 1, packed_size(d, codec.spec.bits), torch.uint8), "scale": stat}
+    if not codec.spec.symmetric:
+        out["zero"] = stat
+    return out
+
+
 class AffineCodec(Codec):
     """Uniform affine INT8/INT4/INT2 at any granularity: `kvquant.quantize` arithmetic, bit for bit."""
 
@@ -246,12 +257,7 @@ class AffineCodec(Codec):
         self.scale_dtype = torch_dtype(spec.scale_dtype) if spec.scale_dtype else dtype
 
     def fields(self) -> dict[str, Field]:
-        e, d = self.extent, self.head_dim
-        stat = Field(self.heads // e.heads, e.tokens, d // e.channels, self.scale_dtype)
-        out = {"codes": Field(self.heads, 1, packed_size(d, self.spec.bits), torch.uint8), "scale": stat}
-        if not self.spec.symmetric:
-            out["zero"] = stat
-        return out
+        return _scaled_code_fields(self)
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         from .quantize import quantize
@@ -307,7 +313,9 @@ class CodebookCodec(Codec):
     def set_levels(self, levels: torch.Tensor) -> None:
         levels = torch.as_tensor(levels, dtype=torch.float32).flatten()
         if levels.numel() != 1 << self.spec.bits or not bool((levels[1:] > levels[:-1]).all()):
-            raise ValueError(f"a {self.spec} codebook holds {1 << self.spec.bits} ascending levels, got {levels}")
+            raise ValueError(
+                f"a {self.spec} codebook holds {1 << self.spec.bits} ascending levels, got {levels}"
+            )
         self.levels = levels
 
     def _levels(self, device: torch.device) -> torch.Tensor:
@@ -320,14 +328,11 @@ class CodebookCodec(Codec):
         return self.levels.to(device)
 
     def fields(self) -> dict[str, Field]:
-        e, d = self.extent, self.head_dim
-        stat = Field(self.heads // e.heads, e.tokens, d // e.channels, self.scale_dtype)
-        out = {"codes": Field(self.heads, 1, packed_size(d, self.spec.bits), torch.uint8), "scale": stat}
-        if not self.spec.symmetric:
-            out["zero"] = stat
-        return out
+        return _scaled_code_fields(self)
 
-    def normalize(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def normalize(
+        self, x: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """x (B, H, T, D) -> (x_n (*stat_shape, G) fp32, stored scale, stored zero or None, finite (*stat, 1)):
         the values the codebook quantizes; calibration fits the levels on exactly these."""
         from .quantize import _round  # the affine codec's rounding of stored statistics
@@ -363,7 +368,9 @@ class CodebookCodec(Codec):
     def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         codes = fields["codes"]
         shape = (*codes.shape[:3], self.head_dim)
-        values = self._levels(codes.device)[unpack(codes, self.spec.bits, self.head_dim).long()]  # (B, H, T, D)
+        values = self._levels(codes.device)[
+            unpack(codes, self.spec.bits, self.head_dim).long()
+        ]  # (B, H, T, D)
         blocks, scale = self.extent.broadcast(values, fields["scale"].float())
         x = blocks * scale
         if "zero" in fields:
@@ -429,7 +436,9 @@ class PreRopeCodec(Codec):
     def kernel_layout(self) -> None:
         if str(self.spec) not in _LOGGED:
             _LOGGED.add(str(self.spec))
-            logger.info("%s: no kernel reads pre-RoPE keys yet; the PyTorch reference path serves them", self.spec)
+            logger.info(
+                "%s: no kernel reads pre-RoPE keys yet; the PyTorch reference path serves them", self.spec
+            )
         return None
 
     def batches_with(self, other: Codec) -> bool:

@@ -80,7 +80,9 @@ SCALE_DTYPES: tuple[str, ...] = ("fp16", "bf16", "fp32")
 _TORCH_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
 BITS = (16, 8, 4, 3, 2)
 CODEBOOK_BITS = (4, 3, 2)  # nuqN; 3 bits only for codebooks (packed 8 codes per 3 bytes)
-CALIBRATE_COMMAND = "python experiments/calibrate.py --model MODEL --scheme '{scheme}' --out calib/NAME.safetensors"
+CALIBRATE_COMMAND = (
+    "python experiments/calibrate.py --model MODEL --scheme '{scheme}' --out calib/NAME.safetensors"
+)
 FP8_KINDS: tuple[str, ...] = ("e4m3", "e5m2")  # torch.float8_e4m3fn, torch.float8_e5m2
 DEFAULT_CENTER = 64  # tokens per stored key offset of `-center`
 MAX_OUTLIER_PERCENT = 25.0
@@ -153,8 +155,15 @@ class QuantSpec:
                 or self.scale_dtype is not None
                 or self.codebook
             ):
-                raise SchemeError("fp16 takes no granularity, group size, symmetry or scale dtype (only -prerope)")
-            if self.fp8 is not None or self.center is not None or self.outliers is not None or self.unit_scale:
+                raise SchemeError(
+                    "fp16 takes no granularity, group size, symmetry or scale dtype (only -prerope)"
+                )
+            if (
+                self.fp8 is not None
+                or self.center is not None
+                or self.outliers is not None
+                or self.unit_scale
+            ):
                 raise SchemeError("fp16 takes no fp8 kind, -tensor, -center or -out (only -rot: fp16-rot)")
             return
         if self.unit_scale:
@@ -292,7 +301,9 @@ class Scheme:
             n = getattr(self, what)
             if not isinstance(n, int) or n < 0:
                 raise SchemeError(f"{what}={n!r} must be a non-negative integer")
-        if self.calib is not None and (not isinstance(self.calib, str) or not self.calib or "," in self.calib):
+        if self.calib is not None and (
+            not isinstance(self.calib, str) or not self.calib or "," in self.calib
+        ):
             raise SchemeError(f"calib={self.calib!r} must be a file path without commas")
         if self.layers:
             layers = tuple(self.layers)
@@ -331,7 +342,9 @@ class Scheme:
         for r in self.layers:
             if r.first <= index <= r.last:
                 return dataclasses.replace(self, key=r.key, value=r.value, layers=(), name=None)
-        raise SchemeError(f"layer {index} is not in this scheme's layers=, which covers layers 0-{self.num_layers - 1}")
+        raise SchemeError(
+            f"layer {index} is not in this scheme's layers=, which covers layers 0-{self.num_layers - 1}"
+        )
 
     def layer_specs(self) -> list[tuple[QuantSpec, QuantSpec]]:
         """(key, value) of every distinct range (one pair for a uniform scheme)."""
@@ -559,8 +572,17 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
     if bits == 16:
         return QuantSpec(16, rotate=rotate)
     return QuantSpec(
-        bits, granularity, group_size, symmetric, scale_dtype, codebook=codebook,
-        fp8=fp8, center=center, rotate=rotate, outliers=outliers, unit_scale=unit_scale,
+        bits,
+        granularity,
+        group_size,
+        symmetric,
+        scale_dtype,
+        codebook=codebook,
+        fp8=fp8,
+        center=center,
+        rotate=rotate,
+        outliers=outliers,
+        unit_scale=unit_scale,
     )
 
 
@@ -672,7 +694,7 @@ def parse_scheme(text: str | Scheme) -> Scheme:
     both = key = value = layers = calib = None
     ints: dict[str, int] = {}
     originals = text.strip().replace(" ", "").split(",")  # a calib= path keeps its case
-    for item, original in zip(raw.split(","), originals):
+    for item, original in zip(raw.split(","), originals, strict=True):
         name, eq, val = item.partition("=")
         try:
             if not eq:
@@ -696,7 +718,9 @@ def parse_scheme(text: str | Scheme) -> Scheme:
             elif name == "calib":
                 calib = original.partition("=")[2]
                 if not calib:
-                    raise _scheme_error(text, "calib= needs a file path (written by experiments/calibrate.py)")
+                    raise _scheme_error(
+                        text, "calib= needs a file path (written by experiments/calibrate.py)"
+                    )
             else:
                 raise _scheme_error(
                     text, f"unknown item {name!r} (valid: k=, v=, sink=, window=, layers=, calib=)"
@@ -716,7 +740,9 @@ def parse_scheme(text: str | Scheme) -> Scheme:
     if both is not None:
         key = value = both
     try:
-        scheme = Scheme(key, value, ints.get("sink", 0), ints.get("window", 0), layers=layers or (), calib=calib)
+        scheme = Scheme(
+            key, value, ints.get("sink", 0), ints.get("window", 0), layers=layers or (), calib=calib
+        )
     except SchemeError as e:
         raise _scheme_error(text, str(e)) from None
     if scheme.needs_calibration and scheme.calib is None:

@@ -229,7 +229,9 @@ class BlockTable:
         self.pool = pool
         self.rows: list[list[int]] = [[] for _ in range(batch)]
         self.first = 0
-        self._buf: torch.Tensor | None = None  # (B, capacity) on the pool's device; columns [0, _synced) valid
+        self._buf: torch.Tensor | None = (
+            None  # (B, capacity) on the pool's device; columns [0, _synced) valid
+        )
         self._synced = 0
 
     @property
@@ -307,7 +309,9 @@ class BlockTable:
             return Region(self.tensor()[:, :0], 0, 0, position)
         lo, hi = start // bs, -(-(start + length) // bs)
         if lo < self.first or hi > self.end:
-            raise StoreError(f"tokens [{start}, {start + length}) are not all held (pages {self.first}..{self.end})")
+            raise StoreError(
+                f"tokens [{start}, {start + length}) are not all held (pages {self.first}..{self.end})"
+            )
         return Region(self.tensor()[:, lo - self.first : hi - self.first], start - lo * bs, length, position)
 
     def gather(self, start: int, length: int, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
@@ -346,8 +350,10 @@ class BlockTable:
         """An empty one-row table takes `pages` (logical pages first, first + 1, ...) by reference
         (incref): the pages of a cached prefix. A later write into one of them copies it first."""
         if self.batch != 1 or self.num_pages:
-            raise StoreError(f"adopt needs an empty one-row table, this one has {self.batch} rows "
-                             f"and {self.num_pages} pages")
+            raise StoreError(
+                f"adopt needs an empty one-row table, this one has {self.batch} rows "
+                f"and {self.num_pages} pages"
+            )
         for page in pages:
             self.pool.incref(page)
         self.rows[0] = list(pages)
@@ -506,8 +512,10 @@ class KVStore:
 
     def __repr__(self) -> str:
         budget = "no budget" if self.budget_bytes is None else f"budget {self.budget_bytes:,} B"
-        return (f"KVStore({self.scheme}, {len(self.layers)} layers, block_size={self.block_size}, "
-                f"{self.held_bytes():,} B held, {budget})")
+        return (
+            f"KVStore({self.scheme}, {len(self.layers)} layers, block_size={self.block_size}, "
+            f"{self.held_bytes():,} B held, {budget})"
+        )
 
     # ---- the budget
 

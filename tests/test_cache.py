@@ -460,7 +460,8 @@ def test_model_without_kvquant_attention_is_refused_with_config():
     m.set_attn_implementation("sdpa")
     cache = kvquant.QuantizedCache("int8", m.config)
     with pytest.raises(
-        ValueError, match=r"attention implementation is 'sdpa'.*set_attn_implementation\(kvquant.ATTN_IMPLEMENTATION\)"
+        ValueError,
+        match=r"attention implementation is 'sdpa'.*set_attn_implementation\(kvquant.ATTN_IMPLEMENTATION\)",
     ):
         m(_ids(1, 5), cache=cache)
 
@@ -470,7 +471,9 @@ def test_model_without_kvquant_attention_is_refused_without_config(impl):
     m = make_tiny_model(num_hidden_layers=1)
     m.set_attn_implementation(impl)
     for length in (5, 1):
-        with pytest.raises(TypeError, match=r"not kvquant's.*set_attn_implementation\(kvquant.ATTN_IMPLEMENTATION\)"):
+        with pytest.raises(
+            TypeError, match=r"not kvquant's.*set_attn_implementation\(kvquant.ATTN_IMPLEMENTATION\)"
+        ):
             m(_ids(1, length), cache=kvquant.QuantizedCache("int8"))
 
 
@@ -494,7 +497,9 @@ def test_repr(model):
     assert "k=int2-channel-g32,v=int2-g32,window=128" in repr(cache)
 
 
-@pytest.mark.parametrize("scheme", ["int8", "kivi-2", "k=int4-channel-g16,v=int4-g16,sink=4,window=8", "fp16,sink=3"])
+@pytest.mark.parametrize(
+    "scheme", ["int8", "kivi-2", "k=int4-channel-g16,v=int4-g16,sink=4,window=8", "fp16,sink=3"]
+)
 def test_vectorized_quantized_ends_equal_the_scheme(scheme):
     from kvquant.attention import quantized_ends
 

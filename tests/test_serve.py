@@ -193,3 +193,20 @@ def test_store_bytes_are_fp16_whatever_the_compute_dtype(model):
     assert cache.nbytes() == memory.cache_bytes(model.config, "int4-g32", 33, dtype=torch.float32)
     engine.close(cache)
     engines.check_released()
+
+
+def test_serve_results_log_to_wandb_offline(tmp_path, monkeypatch):
+    """The serve run directory becomes one offline W&B run (summary table and plot); no account, no network."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    with (run_dir / "summary.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=serve.SUMMARY_COLUMNS)
+        w.writeheader()
+        w.writerow({c: "1" for c in serve.SUMMARY_COLUMNS})
+    (run_dir / "config.json").write_text(json.dumps({"schemes": ["int4-g64"]}))
+    serve.log_to_wandb(run_dir, "offline", project="kvquant-test")
+    runs = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    serve.log_to_wandb(run_dir, "disabled")  # writes nothing more
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
+from tiny_models import make_tiny_gemma
+from transformers import DynamicCache
 
 import kvquant
 from kvquant import memory
@@ -13,24 +14,8 @@ from kvquant import memory
 WINDOW = 16
 
 
-def _tiny_gemma(dtype=torch.float32) -> Gemma3ForCausalLM:
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,  # MQA, as Gemma-3-270M
-        head_dim=64,
-        sliding_window=WINDOW,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=512,
-        pad_token_id=0,
-    )
-    model = Gemma3ForCausalLM(config).to(dtype).eval()
-    model.set_attn_implementation(kvquant.ATTN_IMPLEMENTATION)
-    return model
+def _tiny_gemma(dtype=torch.float32):
+    return make_tiny_gemma(head_dim=64, sliding_window=WINDOW, dtype=dtype)
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +48,9 @@ def test_fp16_equals_transformers_sliding_cache(gemma, chunks):
         layer.check()
 
 
-@pytest.mark.parametrize("scheme", ["fp16", "int8", "int4-g32,window=8", "k=int4-channel-g16,v=int4-g16,sink=2"])
+@pytest.mark.parametrize(
+    "scheme", ["fp16", "int8", "int4-g32,window=8", "k=int4-channel-g16,v=int4-g16,sink=2"]
+)
 def test_bytes_flat_past_the_window_and_equal_the_formula(gemma, scheme):
     cache = kvquant.QuantizedCache(scheme, gemma.config)
     ids = _ids(120, seed=1)
@@ -75,7 +62,9 @@ def test_bytes_flat_past_the_window_and_equal_the_formula(gemma, scheme):
         full_bytes.append(cache.layers[2].nbytes())
     # a sliding layer holds at most window - 1 + one page of tokens (plus an FP page of the scheme's window)
     assert max(sliding_bytes[60:]) == max(sliding_bytes[40:60])
-    assert full_bytes[-1] > full_bytes[59] and full_bytes[-1] > max(sliding_bytes[60:])  # the full layer grows
+    assert full_bytes[-1] > full_bytes[59] and full_bytes[-1] > max(
+        sliding_bytes[60:]
+    )  # the full layer grows
     assert cache.layers[0].get_mask_sizes(1)[1] > 0  # its view starts past position 0
 
 

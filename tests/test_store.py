@@ -132,7 +132,9 @@ def test_beam_search_shares_pages_and_counts_return_to_zero():
     # 3 beams over a 40-token prompt: the prompt's full body pages are shared, not copied three times
     per_beam_pages = -(-layer.body_len // layer.block_size)
     assert len(layer.body_t.pages()) < 3 * per_beam_pages
-    assert cache.nbytes() < 3 * kvquant.memory.cache_bytes(model.config, cache.scheme, 44, dtype=torch.float32)
+    assert cache.nbytes() < 3 * kvquant.memory.cache_bytes(
+        model.config, cache.scheme, 44, dtype=torch.float32
+    )
     cache.reset()
     assert layer.fp_pool.in_use == layer.body_pool.in_use == 0
     layer.check()

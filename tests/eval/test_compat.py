@@ -12,33 +12,15 @@ import torch
 from kvquant.eval.measure import REFERENCE, evaluate_document, make_buckets
 from kvquant.eval.runner import memory_of
 from kvquant.eval.schemes import parse_eval_scheme
-from tiny_models import make_tiny_model
-from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+from tiny_models import make_tiny_gemma, make_tiny_model
 
 import kvquant
 
 LENGTH = 96
 
 
-def _gemma(head_dim: int = 256) -> Gemma3ForCausalLM:
-    torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=head_dim,
-        sliding_window=16,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
-        max_position_embeddings=512,
-        pad_token_id=0,
-        final_logit_softcapping=30.0,
-    )
-    model = Gemma3ForCausalLM(config).eval()
-    model.set_attn_implementation(kvquant.ATTN_IMPLEMENTATION)
-    return model
+def _gemma(head_dim: int = 256):
+    return make_tiny_gemma(head_dim=head_dim, final_logit_softcapping=30.0)
 
 
 SHAPES = {

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from kvquant.kernels import dispatch
 from tiny_models import make_tiny_model
 
 import kvquant
-from kvquant.kernels import dispatch
 
 SCHEMES = ["int4-g32", "k=int4-channel-g16,v=int8,sink=2,window=4", "fp16,sink=2,window=4"]
 
