@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 from typing import TYPE_CHECKING
 
 if (
@@ -16,6 +17,8 @@ if (
     import torch
 
 __all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "KernelHandle", "check_backend", "uses_kernels"]
+
+logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "kvquant"  # the name kvquant's attention is registered under in transformers
 BACKENDS = ("auto", "triton", "torch")
@@ -41,6 +44,13 @@ class KernelHandle:
 
     def __init__(self) -> None:
         self._registry = None
+        self._said: set[str] = set()
+
+    def note_once(self, message: str) -> None:
+        """Log a fallback (a codec no kernel serves) once per cache, however many layers meet it."""
+        if message not in self._said:
+            self._said.add(message)
+            logger.info(message)
 
     def registry(self):
         if self._registry is None:

@@ -230,6 +230,13 @@ class QuantizedLayer(CacheLayerMixin):
         self.dropped = 0  # positions below this are released (sliding-window layers only)
         self._registry = self.kernels.registry() if uses_kernels(self.backend, self.device) else None
         self._encode = _kernel_encoder(self.backend, self.device, self._registry)
+        if self._registry is not None:
+            for codec in (self.key_codec, self.value_codec):
+                if codec.kernel_layout() is None:
+                    self.kernels.note_once(
+                        f"{codec.spec}: no Triton kernel reads this codec yet; the PyTorch reference path "
+                        "serves its attention and appends"
+                    )
         self.is_initialized = True
 
     # ---- transformers' CacheLayerMixin interface

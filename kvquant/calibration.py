@@ -125,11 +125,9 @@ class Calibration:
         return f"Calibration({self.path}: {len(self.tables)} tables, model {self.meta.get('model')!r})"
 
 
-_LOADED: dict[tuple[str, int], Calibration] = {}
-
-
 def load_calibration(path: str | os.PathLike) -> Calibration:
-    """Load NAME.safetensors + NAME.json (safetensors and json only: never pickle); cached per file version."""
+    """Load NAME.safetensors + NAME.json (safetensors and json only: never pickle). A cache loads its file once
+    (tens of KB), so nothing is memoized here."""
     st, js = _paths(path)
     for p in (st, js):
         if not p.is_file():
@@ -138,16 +136,13 @@ def load_calibration(path: str | os.PathLike) -> Calibration:
                 + CALIBRATE_COMMAND.format(scheme="SCHEME").replace("calib/NAME.safetensors", str(st))
                 + "` (SCHEME: the scheme without calib=)"
             )
-    key = (str(st.resolve()), st.stat().st_mtime_ns)
-    if key not in _LOADED:
-        from safetensors.torch import load_file
+    from safetensors.torch import load_file
 
-        meta = json.loads(js.read_text())
-        if meta.get("format") != FORMAT:
-            raise CalibrationError(f"{js} is not a kvquant calibration file (format {meta.get('format')!r})")
-        tables = {n: t.float() for n, t in load_file(str(st)).items()}
-        _LOADED[key] = Calibration(str(path), meta, tables)
-    return _LOADED[key]
+    meta = json.loads(js.read_text())
+    if meta.get("format") != FORMAT:
+        raise CalibrationError(f"{js} is not a kvquant calibration file (format {meta.get('format')!r})")
+    tables = {n: t.float() for n, t in load_file(str(st)).items()}
+    return Calibration(str(path), meta, tables)
 
 
 def save_calibration(

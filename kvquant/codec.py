@@ -390,9 +390,6 @@ class CodebookCodec(Codec):
         )
 
 
-_LOGGED: set[str] = set()
-
-
 class PreRopeCodec(Codec):
     """Keys stored before the rotary embedding (`-prerope`): `encode_at` un-rotates keys at their positions
     (`kvquant.rope.Rope.invert`, exact) and the wrapped codec encodes them; `decode_at` decodes and re-applies
@@ -434,12 +431,7 @@ class PreRopeCodec(Codec):
         return self.inner.codebook_values(self._rope().invert(x, start), start)
 
     def kernel_layout(self) -> None:
-        if str(self.spec) not in _LOGGED:
-            _LOGGED.add(str(self.spec))
-            logger.info(
-                "%s: no kernel reads pre-RoPE keys yet; the PyTorch reference path serves them", self.spec
-            )
-        return None
+        return None  # no kernel reads pre-RoPE keys yet (the cache logs the fallback once)
 
     def batches_with(self, other: Codec) -> bool:
         return False

@@ -171,7 +171,6 @@ def test_calibration_file_is_safetensors_and_json_loaded_without_pickle(calib_fi
     monkeypatch.setattr(pickle, "load", no_pickle)
     monkeypatch.setattr(pickle, "loads", no_pickle)
     monkeypatch.setattr(torch, "load", no_pickle)
-    kvquant.calibration._LOADED.clear()
     cal = load_calibration(calib_file)
     meta = json.loads(calib_file.with_suffix(".json").read_text())
     assert meta["format"] == "kvquant-calibration/1" and meta["num_layers"] == 2 and meta["head_dim"] == 64
