@@ -635,9 +635,12 @@ def plot(run_dir: Path, summary: list[dict]) -> Path:
             ax.plot([t for t, _ in pts], [b / 1e6 for _, b in pts], label=name, lw=1.2)
         for r in summary:
             if r["scheme"] == scheme and r["budget_bytes"] != "":
-                ax.axhline(r["budget_bytes"] / 1e6, color="grey", ls=":", lw=0.8)
+                ax.axhline(
+                    r["budget_bytes"] / 1e6, color="grey", ls=":", lw=0.8, label="budget (eviction rows)"
+                )
                 break
         ax.set_title(f"{scheme}: MB held (FP16 pages)")
+        ax.set_ylabel("MB held")
         ax.set_xlabel("tick (an admission + a decoding step per running request)")
         ax.legend(fontsize=7)
     ax = axes[0][-1]
@@ -649,6 +652,13 @@ def plot(run_dir: Path, summary: list[dict]) -> Path:
     ax.set_ylabel("median time to first token (s)")
     ax.set_title("TTFT, hit vs miss (back to back)")
     ax.legend()
+    config = json.loads((run_dir / "config.json").read_text())
+    fig.suptitle(
+        f"serving simulation · {config.get('model') or 'SmolLM2-135M (default)'} · {config.get('requests')} "
+        f"requests x {config.get('context')} tokens, {float(config.get('shared_fraction', 0)):.0%} shared prefix "
+        f"· {config.get('dtype')} compute · lines: prefix cache / eviction policy",
+        fontsize=10,
+    )
     fig.tight_layout()
     path = run_dir / "serve.png"
     fig.savefig(path, dpi=110)
