@@ -519,3 +519,11 @@ def write_plots(run_dir: Path, summary: list[dict], info: PlotInfo | None = None
         plt.close(fig)
         paths.append(path)
     return paths
+
+
+def provenance_lines(config_json: dict, progress) -> list[str]:
+    """The report's closing header lines, shared by every run kind: points measured (and failed), git commit
+    and package versions."""
+    failed = f" ({progress.failed} not measured: scheme failed)" if progress.failed else ""
+    versions = ", ".join(f"{k} {v}" for k, v in config_json["versions"].items())
+    return [f"- points measured: {progress}{failed}", f"- git {config_json['git_commit']}; {versions}"]

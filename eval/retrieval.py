@@ -734,10 +734,7 @@ def _write_outputs(
         f"- mode(s): {config_json['mode']}; tokens per forward in cache mode: {chunks}",
         f"- reference `{names.get(REFERENCE, REFERENCE)}`: unquantized, computing in {config_json['dtype']}; "
         f"bytes at {config_json['kv_dtype']} K/V storage at the longest prompt",
-        f"- points measured: {progress}"
-        + (f" ({progress.failed} not measured: scheme failed)" if progress.failed else ""),
-        f"- git {config_json['git_commit']}; "
-        + ", ".join(f"{k} {v}" for k, v in config_json["versions"].items()),
+        *res.provenance_lines(config_json, progress),
         "",
         "exact match = the greedy answer equals the key token for token; log p(answer) = its teacher-forced "
         "log-probability; Δ log p and same-as-ref compare with the reference on the same prompt, which is "

@@ -654,10 +654,7 @@ def _write_outputs(
         f"max length {config_json['max_length']}{prefill}; "
         f"{len(config_json['documents'])} documents",
         f"- bytes at {kv} K/V storage (--kv-dtype), whatever dtype the model computes in",
-        f"- points measured: {progress}"
-        + (f" ({progress.failed} not measured: scheme failed)" if progress.failed else ""),
-        f"- git {config_json['git_commit']}; "
-        + ", ".join(f"{k} {v}" for k, v in config_json["versions"].items()),
+        *res.provenance_lines(config_json, progress),
         "",
         "drift = ppl / ppl_ref - 1 over the same tokens, with a 95% bootstrap interval (documents, then "
         "tokens); KL = mean KL(p_ref || p_scheme) per token; same top-1 = share of positions whose argmax "
