@@ -152,8 +152,10 @@ def sdpa_flash(q, k, v):
     if q.device.type == "cuda":
         # flash with GQA read in place first; else flash on K/V expanded to H_q (reads g times the bytes:
         # named in the note, since it flatters the fused kernel)
-        for kk, vv, kw, name in ((k, v, {"enable_gqa": True}, "flash"),
-                                 (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), {}, "flash (K/V expanded)")):
+        for kk, vv, kw, name in (
+            (k, v, {"enable_gqa": True}, "flash"),
+            (k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), {}, "flash (K/V expanded)"),
+        ):
             try:
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                     F.scaled_dot_product_attention(q, kk, vv, **kw)
@@ -238,7 +240,8 @@ def run_point(layout: str, scheme_text: str, t: int, b: int, device, copy_bw: fl
     mask = torch.ones(1, total, dtype=torch.bool, device=device)
 
     def dequant_all(lay):
-        """(B, H_kv, T, D) FP16 K and V of every part (sink | body | recent), as a dequantizing cache would."""
+        """(B, H_kv, T, D) FP16 K and V of every part (sink | body | recent), as a dequantizing cache
+        would."""
         parts_k, parts_v = [], []
         for region, pool_k, pool_v in ((lay.sink, lay.fp_k, lay.fp_v), (lay.body, None, None),
                                        (lay.recent, lay.fp_k, lay.fp_v)):

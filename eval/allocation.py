@@ -198,7 +198,8 @@ def allocate(
     cheapest = sum(min(sens.bits[(g[1], s)] for gg, s in var if gg == g) * size[g] for g in groups) / n_parts
     if cheapest > budget_bits + 1e-9:
         raise ValueError(
-            f"budget {budget_bits} bits is below the cheapest candidates' {cheapest:.3f} bits; add lower-bit candidates"
+            f"budget {budget_bits} bits is below the cheapest candidates' {cheapest:.3f} bits; "
+            "add lower-bit candidates"
         )
     res = milp(
         cost,

@@ -1,4 +1,5 @@
-"""Calibration text and the calibration command (`experiments/calibrate.py`): fit the codebooks of `nuqN` specs.
+"""Calibration text and the calibration command (`experiments/calibrate.py`): fit the codebooks of `nuqN`
+specs.
 
 Calibration text is never evaluation text. By default it is the Wikipedia articles that reach `length` tokens
 but NOT `exclude_from` (8,192) tokens: the evaluation at the default length (8k) only reads articles of at

@@ -655,8 +655,8 @@ def plot(run_dir: Path, summary: list[dict]) -> Path:
     config = json.loads((run_dir / "config.json").read_text())
     fig.suptitle(
         f"serving simulation · {config.get('model') or 'SmolLM2-135M (default)'} · {config.get('requests')} "
-        f"requests x {config.get('context')} tokens, {float(config.get('shared_fraction', 0)):.0%} shared prefix "
-        f"· {config.get('dtype')} compute · lines: prefix cache / eviction policy",
+        f"requests x {config.get('context')} tokens, {float(config.get('shared_fraction', 0)):.0%} "
+        f"shared prefix · {config.get('dtype')} compute · lines: prefix cache / eviction policy",
         fontsize=10,
     )
     fig.tight_layout()

@@ -1,7 +1,7 @@
 """Choose a spec per layer and K/V that minimizes predicted KL at an average-bits budget; print the scheme.
 
     python experiments/allocate.py --budget-bits 3.0 --calib calib/smollm2-nuq.safetensors --window 128
-    python experiments/allocate.py --budget-bits 4.0 --uniform-only          # int candidates, no calibration file
+    python experiments/allocate.py --budget-bits 4.0 --uniform-only   # int candidates, no calibration file
 
 Sensitivities (KL when only one layer's K or V is quantized, per candidate) are measured in cache mode on
 calibration text (Wikipedia articles shorter than 8,192 tokens: never the 8k evaluation's), saved to

@@ -1,11 +1,14 @@
 """Fit the codebooks of non-uniform (nuqN) specs on calibration text and write them (safetensors + JSON).
 
-    python experiments/calibrate.py --scheme 'k=nuq3-channel-g64-prerope,v=nuq3-g64' --out calib/smollm2-nuq3.safetensors
-    python experiments/calibrate.py --model PATH --scheme nuq4-g64 --scheme nuq2-g32 --out calib/mine.safetensors
+    python experiments/calibrate.py --scheme 'k=nuq3-channel-g64-prerope,v=nuq3-g64' \\
+        --out calib/smollm2-nuq3.safetensors
+    python experiments/calibrate.py --model PATH --scheme nuq4-g64 --scheme nuq2-g32 \\
+        --out calib/mine.safetensors
 
-Then use the scheme with `,calib=calib/smollm2-nuq3.safetensors` (printed at the end). Calibration text: Wikipedia
-articles of at least --length tokens and fewer than 8,192 (the 8k evaluation's articles are excluded).
-On a CPU shared with other jobs, run with OMP_NUM_THREADS=1: torch's threads then stop fighting (~8x faster).
+Then use the scheme with `,calib=calib/smollm2-nuq3.safetensors` (printed at the end). Calibration text:
+Wikipedia articles of at least --length tokens and fewer than 8,192 (the 8k evaluation's articles are
+excluded). On a CPU shared with other jobs, run with OMP_NUM_THREADS=1: torch's threads then stop fighting
+(~8x faster).
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
-"""Issue 10's small-scale comparison: KL and perplexity drift per bucket of several schemes on held-out articles,
-in cache mode (decode-exact), plus the SQNR of K and V per spec on the same text; appends CSV rows.
+"""Issue 10's small-scale comparison: KL and perplexity drift per bucket of several schemes on held-out
+articles, in cache mode (decode-exact), plus the SQNR of K and V per spec on the same text; appends CSV rows.
 
-    python experiments/compare_codecs.py --length 2048 --docs 1 --scheme int4-g64 --scheme nuq4-g64,calib=... \
-        --out benchmarks/results/issue10_small.csv
+    python experiments/compare_codecs.py --length 2048 --docs 1 --scheme int4-g64 \\
+        --scheme nuq4-g64,calib=... --out benchmarks/results/issue10_small.csv
 
-Held-out articles: Wikipedia articles of at least 8,192 tokens (the calibration files use shorter ones), cut to
---length tokens. One forward per scheme and document (decode-exact, so equal to any chunking up to float noise).
-On a CPU shared with other jobs, run with OMP_NUM_THREADS=1: torch's threads then stop fighting (~8x faster).
+Held-out articles: Wikipedia articles of at least 8,192 tokens (the calibration files use shorter ones), cut
+to --length tokens. One forward per scheme and document (decode-exact, so equal to any chunking up to float
+noise). On a CPU shared with other jobs, run with OMP_NUM_THREADS=1: torch's threads then stop fighting (~8x
+faster).
 """
 
 from __future__ import annotations

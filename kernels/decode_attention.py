@@ -36,6 +36,16 @@ Masking: key_mask (B, T) bool, True = attend, positions in sink | body | recent 
 the mask bytes of its token block, so nothing is checked on the host (no device->host sync). A sequence
 with no attended token gets a zero output, as torch SDPA's math path gives for an all-False bool row.
 
+Rotated codecs (`-rot`, `kvquant.codec_transforms.kernel_frame`): body keys are stored as codes of R_k k
+and body values decode to R_v v, so `decode_attention` serves them with the same kernel in the rotated
+frame: (R_k q).(R_k k) = q.k, and sum_j p_j v_j = R_v^T sum_j p_j (R_v v_j). It rotates the query by R_k,
+gives the kernel rotated copies of the FP sink and window pages (R_k k, R_v v; a small pool of just the
+pages those two regions use, their tables renumbered into it) so the whole softmax runs in one frame, and
+un-rotates the output by R_v^T; K and V each only when their codec rotates, each with its own signs. All
+of it is `fwht` (O(D log D) per token) on the device: no dense matrix, no host sync. The alternative, the
+kernel returning the body's partial output and log-sum-exp apart for a merge with an unrotated torch pass
+over sink and window, would need a second output format of the kernel for the same work.
+
 Compilation: every length, offset, split count and table/mask stride is `do_not_specialize`, so one
 variant per (codecs, head_dim, dtype, GQA group, parts present) serves a whole decode; pool strides stay
 specialised (they are fixed for a pool's life and their alignment buys vector loads). A variant that
@@ -49,10 +59,13 @@ import functools
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+
+from kvquant.codec_transforms import KernelFrame, kernel_frame
 
 from .registry import KernelRegistry, default_registry
 
@@ -84,18 +97,21 @@ def _u8_to_f16(p, SHIFT: tl.constexpr, ASM: tl.constexpr):
     if ASM:
         if SHIFT == 0:
             return tl.inline_asm_elementwise(
-                "{ .reg .b32 m; mov.b32 m, 0x64646464; prmt.b32 $0, $2, m, 0x5140; prmt.b32 $1, $2, m, 0x7362; }",
+                "{ .reg .b32 m; mov.b32 m, 0x64646464; "
+                "prmt.b32 $0, $2, m, 0x5140; prmt.b32 $1, $2, m, 0x7362; }",
                 "=r,=r,r", [p], dtype=tl.float16, is_pure=True, pack=4)
         elif SHIFT == 4:  # high nibbles: 64 + n/16 * 16 ... scaled so that the result is 1024 + n
             return tl.inline_asm_elementwise(
                 "{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
                 "shr.b32 t0, t0, 4; shr.b32 t1, t1, 4; "
-                "lop3.b32 $0, t0, 0x000f000f, 0x64006400, 0xea; lop3.b32 $1, t1, 0x000f000f, 0x64006400, 0xea; }",
+                "lop3.b32 $0, t0, 0x000f000f, 0x64006400, 0xea; "
+                "lop3.b32 $1, t1, 0x000f000f, 0x64006400, 0xea; }",
                 "=r,=r,r", [p], dtype=tl.float16, is_pure=True, pack=4)
         else:  # low nibbles
             return tl.inline_asm_elementwise(
                 "{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
-                "lop3.b32 $0, t0, 0x000f000f, 0x64006400, 0xea; lop3.b32 $1, t1, 0x000f000f, 0x64006400, 0xea; }",
+                "lop3.b32 $0, t0, 0x000f000f, 0x64006400, 0xea; "
+                "lop3.b32 $1, t1, 0x000f000f, 0x64006400, 0xea; }",
                 "=r,=r,r", [p], dtype=tl.float16, is_pure=True, pack=4)
     else:
         w = p.to(tl.uint16)
@@ -696,7 +712,8 @@ def decode_attention(
         multiple of H_kv (GQA; H_kv = 1 is MQA).
     fp_k, fp_v: FP pools (P_fp, H_kv, BS, D), float; may be None when sink and recent hold no token.
     key_pages / value_pages: the body pools by codec field name, (P_b, heads_f, BS // tokens_f, cols_f)
-        (kvquant.codec); key_codec / value_codec: their codecs (kernel_layout() must not be None).
+        (kvquant.codec); key_codec / value_codec: their codecs, with a kernel layout or `-rot` around one
+        (`kvquant.codec_transforms.kernel_frame`).
     sink, body, recent: regions (`.table` (B or 1, n) int64, `.offset`, `.length`) or None; sink and
         recent index the FP pools, body the body pools. The body offset and BS are multiples of each
         codec's token group.
@@ -709,9 +726,55 @@ def decode_attention(
     Returns (B, 1, H_q, D) in query's dtype, or None when this variant cannot be built on the device
     (logged once per variant): the caller then takes the reference path.
     A sequence whose mask row is all False gets zeros (torch SDPA's math path does the same), not NaN.
+    A rotated codec (`-rot` around a codec with a kernel layout) is served in its rotated frame (see the
+    module docstring).
     """
-    return _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, sink, body, recent,
-                   scaling, key_mask, num_splits, num_warps, body_stages, fp_stages, registry)
+    kf = vf = None
+    if _length(body):
+        kf, vf = (kernel_frame(c, query.device) for c in (key_codec, value_codec))
+        for codec, frame in ((key_codec, kf), (value_codec, vf)):
+            if frame is None:
+                raise ValueError(f"decode_attention: no kernel reads the codec {codec}")
+        key_codec, value_codec = kf.codec, vf.codec
+        if kf.signs is not None or vf.signs is not None:
+            query = kf.into(query)  # (B, H_q, 1, D): (R_k q).(R_k k) = q.k
+            fp_k, fp_v, sink, recent = _rotated_fp(fp_k, fp_v, sink, recent, kf, vf)
+    out = _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, sink, body, recent,
+                  scaling, key_mask, num_splits, num_warps, body_stages, fp_stages, registry)
+    return out if out is None or vf is None else vf.out_of(out)  # (B, 1, H_q, D): R_v^T sum_j p_j (R_v v_j)
+
+
+@dataclass(frozen=True)
+class _Region:
+    """A region renumbered into another pool (the attributes the launcher reads)."""
+
+    table: torch.Tensor  # (B or 1, n_pages) int64
+    offset: int
+    length: int
+
+
+def _rotated_fp(fp_k, fp_v, sink, recent, kf: KernelFrame, vf: KernelFrame):
+    """Copies of the FP pages that sink and recent use, K in kf's frame and V in vf's, as a small pool
+    (n, H_kv, BS, D) of fp_k's dtype, and the two regions renumbered into it. Slots outside a region are
+    copied too (rotation mixes channels, never tokens) and never read."""
+    if _length(sink) + _length(recent) == 0:
+        return fp_k, fp_v, sink, recent
+    bs = fp_k.shape[2]
+    ids, regions, base = [], [], 0
+    for region in (sink, recent):
+        if _length(region) == 0:
+            regions.append(region)
+            continue
+        n = -(-(int(region.offset) + int(region.length)) // bs)  # the pages it uses
+        used = region.table[:, :n]  # (B or 1, n)
+        ids.append(used.reshape(-1))
+        table = base + torch.arange(used.numel(), device=used.device).view(used.shape)
+        regions.append(_Region(table, int(region.offset), int(region.length)))
+        base += used.numel()
+    pages = torch.cat(ids)  # (n,)
+    k = kf.into(fp_k[pages])  # (n, H_kv, BS, D)
+    v = vf.into(fp_v[pages])
+    return k, v, regions[0], regions[1]
 
 
 def gather_region(pool: torch.Tensor, region, tokens: int = 1) -> torch.Tensor:

@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import torch
 
+from kvquant.codec_transforms import kernel_frame
 from kvquant.quantize import QTensor, quantize
 from kvquant.scheme import QuantSpec
 
@@ -48,9 +49,13 @@ def quantize_pack_into(x: torch.Tensor, codec, pages: Mapping[str, torch.Tensor]
                        start: int, *, registry: KernelRegistry | None = None) -> None:
     """Encode x (B, H_kv, t, D) with codec into the body pages at region tokens [start, start + t) of
     table (B, n_pages) int64 (see kvquant.kernels.quantize_pack.quantize_pack_into). Bit for bit
-    `codec.encode(x)` written by index; the reference does it where the kernel does not run."""
+    `codec.encode(x)` written by index; the reference does it where the kernel does not run. A rotated codec
+    (`-rot` around a codec with a kernel layout) is rotated here and packed by its inner codec's kernel."""
     if not _triton_runs_on(x.device):
         return quantize_pack_into_ref(x, codec, pages, table, start)
+    frame = kernel_frame(codec, x.device)
+    if frame is not None:  # a rotation around a kernel codec: rotate as codec.encode does, pack the inner's
+        x, codec = frame.into(x, codec.dtype), frame.codec
     return _quantize_pack_into_kernel(x, codec, pages, table, start, registry=registry)
 
 
@@ -61,11 +66,12 @@ def fused_attention(query: torch.Tensor, view, attention_mask: torch.Tensor | No
     The view (kvquant.cache.LayerView) is read through: block_size, fp_k, fp_v, sink, body, recent
     (regions with .table, .offset, .length), key_codec, value_codec, key_pages, value_pages, shape
     (B, H_kv, T, D), and optionally kernel_registry.
-    Served: decode (q == 1), fp16/bf16/fp32, head_dim a power of two >= 16, codecs whose
-    kernel_layout() is not None, attention_mask None or bool (B or 1, 1, 1, >= T) with True = attend
-    (transformers' sdpa_mask), any pattern; only its first T columns count. Anything else (float masks,
-    other shapes, a variant that cannot be built here) returns None: the caller's reference path. The
-    mask goes to the kernel as a view, never looked at here, so nothing syncs with the device.
+    Served: decode (q == 1), fp16/bf16/fp32, head_dim a power of two >= 16, codecs that
+    `kvquant.codec_transforms.kernel_frame` serves (a kernel layout, or `-rot` around one), attention_mask
+    None or bool (B or 1, 1, 1, >= T) with True = attend (transformers' sdpa_mask), any pattern; only its
+    first T columns count. Anything else (float masks, other shapes, a variant that cannot be built here)
+    returns None: the caller's reference path. The mask goes to the kernel as a view, never looked at
+    here, so nothing syncs with the device.
     A sequence with no attended token gets zeros, as SDPA's math path gives.
     """
     if query.dim() != 4 or query.shape[2] != 1 or query.dtype not in _FLOAT:
@@ -76,8 +82,9 @@ def fused_attention(query: torch.Tensor, view, attention_mask: torch.Tensor | No
     if d < 16 or d & (d - 1):
         return None
     if view.body is not None and view.body.length:
-        if view.key_codec.kernel_layout() is None or view.value_codec.kernel_layout() is None:
-            return None
+        for codec in (view.key_codec, view.value_codec):
+            if kernel_frame(codec, query.device) is None:
+                return None
     kv_len = view.shape[2]
     key_mask = None
     if attention_mask is not None:

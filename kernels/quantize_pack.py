@@ -33,8 +33,8 @@ from kvquant.scheme import QuantSpec
 
 from .registry import KernelRegistry, default_registry
 
-__all__ = ["quantize_pack", "quantize_pack_ref", "quantize_pack_into", "quantize_pack_into_ref", "write_fields",
-           "kernel_supports"]
+__all__ = ["quantize_pack", "quantize_pack_ref", "quantize_pack_into", "quantize_pack_into_ref",
+           "write_fields", "kernel_supports"]
 
 _SCALE_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _MAX_TILE = 8192  # elements per program (fp32 registers); larger tokens/groups are split along D
@@ -321,8 +321,9 @@ def _launch_into(x, codec, pages, table, start, registry) -> bool:
         g = ce * (h if lay.shared_heads else 1)  # elements per block
         nb = h * d // g
         s_h = 0 if lay.shared_heads else ss[1]
-        consts = dict(D=d, NB=nb, G=g, NB_PAD=triton.next_power_of_2(nb), G_PAD=max(triton.next_power_of_2(g), per),
-                      BITS=bits, SYMMETRIC=lay.symmetric, KIND=kind)
+        consts = dict(D=d, NB=nb, G=g, NB_PAD=triton.next_power_of_2(nb),
+                      G_PAD=max(triton.next_power_of_2(g), per), BITS=bits, SYMMETRIC=lay.symmetric,
+                      KIND=kind)
         args = (x, codes, scale, zero, *x.stride(), *codes.stride()[:3], ss[0], s_h, ss[2], ss[3], *tab)
         grid = (t, b)
         kernel = _quantize_token_kernel
@@ -374,7 +375,9 @@ def quantize_pack(x: torch.Tensor, spec: QuantSpec, *, registry: KernelRegistry 
     b, h, t, d = x.shape
     codec = codec_for(spec, h, d, x.dtype)
     if t % codec.token_group:
-        raise ValueError(f"quantize_pack: {spec} groups {codec.token_group} tokens, but T={t} is not a multiple")
+        raise ValueError(
+            f"quantize_pack: {spec} groups {codec.token_group} tokens, but T={t} is not a multiple"
+        )
     if not kernel_supports(x, spec):
         return quantize_pack_ref(x, spec)
     fields = codec.fields()

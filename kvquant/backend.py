@@ -40,7 +40,8 @@ def uses_kernels(backend: str, device: torch.device) -> bool:
 
 class KernelHandle:
     """One cache's access to the Triton kernels: `kvquant.kernels` is imported on first use only, and the
-    cache's layers share one `KernelRegistry` (the variants that could not be built here, each logged once)."""
+    cache's layers share one `KernelRegistry` (the variants that could not be built here, each logged
+    once)."""
 
     def __init__(self) -> None:
         self._registry = None

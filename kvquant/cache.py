@@ -1,4 +1,5 @@
-"""A quantized KV cache for Hugging Face transformers, stored in pages: one `QuantizedLayer` per decoder layer.
+"""A quantized KV cache for Hugging Face transformers, stored in pages: one `QuantizedLayer` per decoder
+layer.
 
 Each layer keeps its tokens in position order as three regions of pages (`kvquant.store`):
 
@@ -31,6 +32,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .backend import ATTN_IMPLEMENTATION, KernelHandle, check_backend, uses_kernels
 from .codec import Codec, Field, codec_for
+from .codec_transforms import kernel_frame
 from .memory import KVShape
 from .scheme import Scheme, parse_scheme
 from .store import BlockTable, KVStore, PagePool, Region, effective_block_size, gather_region
@@ -139,7 +141,8 @@ class QuantizedLayer(CacheLayerMixin):
         scheme: the layer's scheme (a string is parsed).
         backend: "auto", "triton" or "torch" (`kvquant.backend`).
         block_size: tokens per page; raised to a multiple of every codec's token group (channel-wise specs).
-        sliding_window: the model's window on a sliding-window layer (keys older than it are released), else None.
+        sliding_window: the model's window on a sliding-window layer (keys older than it are released), else
+            None.
         capacity: tokens per sequence to preallocate pages for (the pools double when they run out).
         store, layer_idx: take this layer's pools from a shared `kvquant.store.KVStore` (several caches then
             share pages: prefixes, `kvquant.prefix`) instead of making private ones.
@@ -232,7 +235,7 @@ class QuantizedLayer(CacheLayerMixin):
         self._encode = _kernel_encoder(self.backend, self.device, self._registry)
         if self._registry is not None:
             for codec in (self.key_codec, self.value_codec):
-                if codec.kernel_layout() is None:
+                if kernel_frame(codec, self.device) is None:
                     self.kernels.note_once(
                         f"{codec.spec}: no Triton kernel reads this codec yet; the PyTorch reference path "
                         "serves its attention and appends"
@@ -300,7 +303,8 @@ class QuantizedLayer(CacheLayerMixin):
         self.body_t.prepare(start // bs, -(-(start + k.shape[2]) // bs))
         table, offset = self.body_t.tensor(), start - self.body_t.first * bs
         kc, vc = self.key_codec, self.value_codec
-        if self._encode is not None and kc.kernel_layout() is not None and vc.kernel_layout() is not None:
+        served = self._encode is not None and all(kernel_frame(c, self.device) is not None for c in (kc, vc))
+        if served:  # the kernel encoder (it rotates a `-rot` codec's tokens as codec.encode does)
             for prefix, codec, x in (("k.", kc, k), ("v.", vc, v)):
                 pages = {name: self.body_pool.tensors[prefix + name] for name in codec.fields()}
                 self._encode(x, codec, pages, table, offset)
@@ -391,7 +395,8 @@ class QuantizedLayer(CacheLayerMixin):
         keep = max(self.length + tokens_to_remove, 0)
         if keep < self.dropped:
             raise ValueError(
-                f"cannot crop to {keep} tokens: this sliding-window layer released positions below {self.dropped}"
+                f"cannot crop to {keep} tokens: this sliding-window layer released positions below "
+                f"{self.dropped}"
             )
         sink, bs = self.scheme.sink, self.block_size
         body_end = sink + self.body_len
@@ -402,8 +407,8 @@ class QuantizedLayer(CacheLayerMixin):
             group = max(self.key_codec.token_group, self.value_codec.token_group)
             if body % group:
                 raise ValueError(
-                    f"cannot crop to {body} quantized tokens: that splits a channel-wise group of {group} tokens; "
-                    "crop fewer tokens or use a larger window"
+                    f"cannot crop to {body} quantized tokens: that splits a channel-wise group of {group} "
+                    "tokens; crop fewer tokens or use a larger window"
                 )
             self.recent_t.clear()
             self.body_t.truncate(-(-body // bs))
@@ -453,8 +458,8 @@ class QuantizedLayer(CacheLayerMixin):
             )
         if (h, d) != (self.num_heads, self.head_dim):
             raise ValueError(
-                f"this layer stores {self.num_heads} KV heads of head_dim {self.head_dim}, but got K of shape "
-                f"{tuple(k.shape)}; one cache serves one model"
+                f"this layer stores {self.num_heads} KV heads of head_dim {self.head_dim}, but got K of "
+                f"shape {tuple(k.shape)}; one cache serves one model"
             )
         if k.dtype != self.dtype or k.device != self.device:
             raise ValueError(
@@ -702,8 +707,8 @@ class QuantizedCache(Cache):
             if self.scheme.layers or self.scheme.calib is not None or self.scheme.prerope:
                 # KVStore builds one codec pair from scheme.key/value for every layer, without tables or RoPE
                 raise ValueError(
-                    f"scheme {str(self.scheme)!r}: per-layer specs, calibrated codebooks and pre-RoPE keys are not "
-                    "supported on a shared KVStore yet; use a private cache (no store=)"
+                    f"scheme {str(self.scheme)!r}: per-layer specs, calibrated codebooks and pre-RoPE keys "
+                    "are not supported on a shared KVStore yet; use a private cache (no store=)"
                 )
             if config is None:
                 raise ValueError(
@@ -744,8 +749,8 @@ class QuantizedCache(Cache):
         else:
             if self.scheme.layers or self.scheme.prerope:
                 raise ValueError(
-                    f"scheme {str(self.scheme)!r} has per-layer specs or pre-RoPE keys: build the cache with the "
-                    "model's config (QuantizedCache(scheme, model.config))"
+                    f"scheme {str(self.scheme)!r} has per-layer specs or pre-RoPE keys: build the cache "
+                    "with the model's config (QuantizedCache(scheme, model.config))"
                 )
             super().__init__(
                 layer_class_to_replicate=lambda: QuantizedLayer(
@@ -760,8 +765,8 @@ class QuantizedCache(Cache):
             or (self._fixed_layers and layer_idx >= len(self.layers))
         ):
             raise ValueError(
-                f"layer_idx {layer_idx!r} is out of range: this cache was built for {len(self.layers)} layers "
-                "(from the model's config); pass the config of the model that uses it"
+                f"layer_idx {layer_idx!r} is out of range: this cache was built for {len(self.layers)} "
+                "layers (from the model's config); pass the config of the model that uses it"
             )
         if not self._expect.checked:
             self._check_model(key_states)

@@ -8,14 +8,16 @@ A calibration is two files side by side:
                        corpus, document titles, tokens, seed, samples per table, kvquant version, time
 
 A scheme names the file with `calib=NAME.safetensors`; `kvquant.QuantizedCache` loads it once
-(`safetensors.torch.load_file` and `json`) and hands each layer's codec its own table (`Calibration.codebook`).
-The table key is the full spec string, so one file can hold tables for many specs (`experiments/allocate.py`
-fits every candidate's) and a pre-RoPE spec has its own (its normalized keys differ).
+(`safetensors.torch.load_file` and `json`) and hands each layer's codec its own table
+(`Calibration.codebook`). The table key is the full spec string, so one file can hold tables for many specs
+(`experiments/allocate.py` fits every candidate's) and a pre-RoPE spec has its own (its normalized keys
+differ).
 
 Fitting (`fit_codebook`): Lloyd-Max (1-D k-means) on a seeded random sample of the normalized values, from the
-sample's quantiles, so the levels minimize the mean squared error of the normalized values. Collection (`collect`): one forward per calibration
-document through the model with an ordinary cache; each layer's K and V (keys un-rotated for `-prerope` specs)
-are normalized exactly as `kvquant.codec.CodebookCodec.normalize` does at run time.
+sample's quantiles, so the levels minimize the mean squared error of the normalized values. Collection
+(`collect`): one forward per calibration document through the model with an ordinary cache; each layer's K
+and V (keys un-rotated for `-prerope` specs) are normalized exactly as
+`kvquant.codec.CodebookCodec.normalize` does at run time.
 """
 
 from __future__ import annotations
@@ -99,8 +101,8 @@ class Calibration:
         name = Entry(layer, role, spec).name
         if name not in self.tables:
             raise CalibrationError(
-                f"calibration file {self.path} has no codebook for {spec} at layer {layer} {role.upper()} (it was "
-                f"fitted for {', '.join(self.meta.get('specs', [])) or 'other specs'}); run `"
+                f"calibration file {self.path} has no codebook for {spec} at layer {layer} {role.upper()} "
+                f"(it was fitted for {', '.join(self.meta.get('specs', [])) or 'other specs'}); run `"
                 + CALIBRATE_COMMAND.format(scheme=spec)
                 + "` for this scheme"
             )
@@ -112,8 +114,9 @@ class Calibration:
         want = (shape.num_layers, shape.num_kv_heads, shape.head_dim)
         if got != want:
             raise CalibrationError(
-                f"calibration file {self.path} was fitted on {self.meta.get('model')!r} with (layers, KV heads, "
-                f"head_dim) = {got}, but this model has {want}; calibrate for this model: `"
+                f"calibration file {self.path} was fitted on {self.meta.get('model')!r} with "
+                f"(layers, KV heads, head_dim) = {got}, but this model has {want}; "
+                "calibrate for this model: `"
                 + CALIBRATE_COMMAND.format(scheme=str(scheme) if scheme is not None else "SCHEME")
                 + "`"
             )
@@ -126,8 +129,8 @@ class Calibration:
 
 
 def load_calibration(path: str | os.PathLike) -> Calibration:
-    """Load NAME.safetensors + NAME.json (safetensors and json only: never pickle). A cache loads its file once
-    (tens of KB), so nothing is memoized here."""
+    """Load NAME.safetensors + NAME.json (safetensors and json only: never pickle). A cache loads its file
+    once (tens of KB), so nothing is memoized here."""
     st, js = _paths(path)
     for p in (st, js):
         if not p.is_file():
@@ -168,10 +171,11 @@ def fit_codebook(
     """Lloyd-Max levels for `values` (any shape), i.e. 1-D k-means on the empirical distribution:
     (2^bits,) float32, strictly ascending.
 
-    Exact Lloyd iterations on the sorted sample with prefix sums (each step: the cells are the midpoints between
-    levels, a level moves to its cell's mean), from the sample's quantiles, until no level moves by more than
-    1e-7 or 200 steps. The same fixed point as `scipy.cluster.vq.kmeans2` from that start, at a small fraction of
-    the cost (270 tables of 1M values fit in seconds rather than most of an hour on a shared CPU)."""
+    Exact Lloyd iterations on the sorted sample with prefix sums (each step: the cells are the midpoints
+    between levels, a level moves to its cell's mean), from the sample's quantiles, until no level moves by
+    more than 1e-7 or 200 steps. The same fixed point as `scipy.cluster.vq.kmeans2` from that start, at a
+    small fraction of the cost (270 tables of 1M values fit in seconds rather than most of an hour on a
+    shared CPU)."""
     import numpy as np
 
     k = 1 << bits
@@ -215,8 +219,9 @@ def collect(
     seed: int = 0,
     progress=None,
 ) -> dict[str, torch.Tensor]:
-    """Normalized calibration values per table: {entry name: 1-D float32 sample}. documents: token ids (1, T)
-    each, run one forward each with a DynamicCache; the K/V of every layer are normalized by the entry's codec."""
+    """Normalized calibration values per table: {entry name: 1-D float32 sample}. documents: token ids
+    (1, T) each, run one forward each with a DynamicCache; the K/V of every layer are normalized by the
+    entry's codec."""
     from transformers import DynamicCache
 
     from .codec import codec_for

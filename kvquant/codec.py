@@ -23,9 +23,9 @@ bytes formula, the page layout and the kernels' launch arguments all read it, so
 granularity. The page store (`kvquant.store`) keeps each field in pages of `block_size` tokens
 ((P, heads_f, block_size // tokens_f, cols_f)) and never looks inside a field.
 
-A new quantizer family is one more `Codec` subclass registered in `_FAMILIES`; the store, the bytes formula
-and the attention path need no change. A codec that no kernel serves returns None from `kernel_layout`,
-and attention then takes the PyTorch reference path.
+A new quantizer family is one more `Codec` subclass registered in `_families()`; the store, the bytes
+formula and the attention path need no change. A codec that no kernel serves returns None from
+`kernel_layout`, and attention then takes the PyTorch reference path.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
 @dataclass(frozen=True)
 class BlockExtent:
     """Which elements of a (B, H, T, D) tensor share one scale: `tokens` consecutive tokens x `channels`
-    consecutive channels x `heads` consecutive heads. Scale shape: (B, H // heads, T // tokens, D // channels).
+    consecutive channels x `heads` consecutive heads.
+    Scale shape: (B, H // heads, T // tokens, D // channels).
 
         token        (heads=H, tokens=1, channels=D)   x (2, 3, 5, 64) -> scale (2, 1, 5, 1)
         head         (1, 1, D)                          x (2, 3, 5, 64) -> scale (2, 3, 5, 1)
@@ -285,12 +286,13 @@ class AffineCodec(Codec):
 
 class CodebookCodec(Codec):
     """Non-uniform levels (`nuq4`, `nuq3`, `nuq2`; KVQuant's NUQ): each block (the spec's granularity) is
-    normalized to [-1, 1] and each value stored as the index of the nearest of 2^bits levels, a codebook fitted
-    offline per layer and K/V on calibration text (`kvquant.calibration`).
+    normalized to [-1, 1] and each value stored as the index of the nearest of 2^bits levels, a codebook
+    fitted offline per layer and K/V on calibration text (`kvquant.calibration`).
 
         asymmetric: zero = (max + min) / 2, scale = max(max - zero, zero - min)   x_n = (x - zero) / scale
         symmetric:  scale = max |x|                                                 x_n = x / scale
-        code = argmin_i |x_n - level_i| (bucketize against the midpoints), x_hat = level[code] * scale (+ zero)
+        code = argmin_i |x_n - level_i| (bucketize against the midpoints)
+        x_hat = level[code] * scale (+ zero)
 
     zero is rounded to nearest in the scale dtype and scale up, so the stored pair still maps the block into
     [-1, 1]. A constant block gets scale 0 and decodes to its zero (exact when the scale dtype holds it).
@@ -333,8 +335,9 @@ class CodebookCodec(Codec):
     def normalize(
         self, x: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """x (B, H, T, D) -> (x_n (*stat_shape, G) fp32, stored scale, stored zero or None, finite (*stat, 1)):
-        the values the codebook quantizes; calibration fits the levels on exactly these."""
+        """x (B, H, T, D) -> (x_n (*stat_shape, G) fp32, stored scale, stored zero or None,
+        finite (*stat, 1)): the values the codebook quantizes; calibration fits the levels on exactly
+        these."""
         from .quantize import _round  # the affine codec's rounding of stored statistics
 
         blocks = self.extent.blocks(x.float())
@@ -402,8 +405,8 @@ class PreRopeCodec(Codec):
     def _rope(self):
         if self.rope is None:
             raise SchemeError(
-                f"{self.spec} stores keys before RoPE and needs the model's rotary embedding: build the cache "
-                "with the model's config (QuantizedCache(scheme, model.config))"
+                f"{self.spec} stores keys before RoPE and needs the model's rotary embedding: "
+                "build the cache with the model's config (QuantizedCache(scheme, model.config))"
             )
         return self.rope
 
@@ -441,6 +444,16 @@ class PreRopeCodec(Codec):
 _FAMILIES: dict[str, type[Codec]] = {"dense": DenseCodec, "affine": AffineCodec, "codebook": CodebookCodec}
 
 
+def _families() -> dict[str, type[Codec]]:
+    """Every codec family by name: this module's, and the research codecs in their own modules (they import
+    this one, so they are imported here, on first use, and either module may be imported first)."""
+    from .codec_fp8 import FP8Codec
+    from .codec_transforms import CenterCodec, OutlierCodec, RotationCodec
+
+    return {**_FAMILIES, "fp8": FP8Codec, "center": CenterCodec, "rotate": RotationCodec,
+            "outliers": OutlierCodec}
+
+
 def _family(spec: QuantSpec) -> str:
     if spec.transforms:  # -center, -rot, -out wrap the codec of the spec without them, outermost first
         return spec.transforms[0]
@@ -465,23 +478,17 @@ def codec_for(
     """The codec that stores `spec` for H_kv=heads, head_dim and the K/V dtype.
 
     layer, role ("k" or "v") and calib (a `kvquant.calibration.Calibration`) give calibrated codecs their
-    tables (a codebook spec without them can size its fields but not encode); rope (`kvquant.rope.Rope`) serves
-    `-prerope` keys."""
+    tables (a codebook spec without them can size its fields but not encode); rope (`kvquant.rope.Rope`)
+    serves `-prerope` keys."""
     spec = parse_spec(spec)
     if not isinstance(heads, int) or not isinstance(head_dim, int) or heads < 1 or head_dim < 1:
         raise ValueError(f"heads and head_dim must be positive integers, got {heads!r} and {head_dim!r}")
     if role not in (None, "k", "v"):
         raise ValueError(f"role must be 'k' or 'v', got {role!r}")
     inner = dataclasses.replace(spec, prerope=False) if spec.prerope else spec
-    codec = _FAMILIES[_family(inner)](inner, heads, head_dim, torch_dtype(dtype))
+    codec = _families()[_family(inner)](inner, heads, head_dim, torch_dtype(dtype))
     if spec.prerope:
         codec = PreRopeCodec(spec, codec, rope)
     codec.bind(layer=layer, role=role, calib=calib, spec=spec)
     return codec
 
-
-# Research codecs in their own modules (they import this one), registered once it is complete.
-from .codec_fp8 import FP8Codec  # noqa: E402
-from .codec_transforms import CenterCodec, OutlierCodec, RotationCodec  # noqa: E402
-
-_FAMILIES.update(fp8=FP8Codec, center=CenterCodec, rotate=RotationCodec, outliers=OutlierCodec)

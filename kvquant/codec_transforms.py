@@ -19,12 +19,14 @@ Fields are the inner codec's plus each transform's own, so bytes, pages and the 
 Why these designs:
 - Rotation is exact for attention without touching the query: decode un-rotates, so the reference path sees
   K and V as they were (up to the quantization error, which the rotation spreads evenly over channels and
-  so shrinks for outlier channels). Sink and window tokens are never rotated. A kernel could instead keep
-  the body rotated: scores q.k = (Rq).(Rk) and output sum_j p_j v_j = R^T sum_j p_j (R v_j) over the body, so
-  rotate the query once per step and rotate the body's part of the output back (two O(D log D) transforms per
-  head and step, outside the kernel), while sinks and window use the plain query and add their part
-  unrotated. That needs the kernel to keep the body's partial output apart; no kernel does yet, so
-  `kernel_layout()` is None and attention takes the reference path.
+  so shrinks for outlier channels). Sink and window tokens are never rotated. The Triton path keeps the
+  body rotated instead (`kernel_frame`: the inner codec's kernel reads the pages as stored): the body
+  append rotates new tokens exactly as `RotationCodec.encode` does, then packs them with the inner codec's
+  kernel (the same bits); decode attention (`kvquant.kernels.decode_attention`) works in the rotated frame,
+  since (R_k q).(R_k k) = q.k and sum_j p_j v_j = R_v^T sum_j p_j (R_v v_j): it rotates the query by R_k
+  once per step, hands the kernel rotated copies of the few FP sink and window tokens, and un-rotates the
+  output by R_v^T. Only what is rotated is transformed (K, V, or both, each with its own seed), always
+  with `fwht` (O(D log D)), never a dense matrix.
 - The key offset is stored per block of N tokens (not kept as per-sequence state), so a page is
   self-contained: prefix sharing, beams (pages shared by reference) and crops need nothing more, and the
   result does not depend on how tokens were chunked. A slowly drifting offset (the low-frequency RoPE pairs
@@ -42,13 +44,24 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
 from .codec import Codec, Field, KernelLayout, codec_for
 from .scheme import QuantSpec, outlier_count, rotation_block
 
-__all__ = ["CenterCodec", "OutlierCodec", "RotationCodec", "hadamard_signs", "rotate", "unrotate", "fwht"]
+__all__ = [
+    "CenterCodec",
+    "KernelFrame",
+    "OutlierCodec",
+    "RotationCodec",
+    "fwht",
+    "hadamard_signs",
+    "kernel_frame",
+    "rotate",
+    "unrotate",
+]
 
 
 class _Wrapper(Codec):
@@ -68,7 +81,11 @@ class _Wrapper(Codec):
         return math.lcm(*(f.tokens for f in self.fields().values()))
 
     def kernel_layout(self) -> KernelLayout | None:
-        return None  # no kernel applies the transform: reference path
+        return None  # the kernels do not read the transformed fields as they are (see `kernel_frame`)
+
+    def kernel_frame(self, device: torch.device) -> KernelFrame | None:
+        """How the kernels serve this transform around a kernel codec, or None (the reference path)."""
+        return None
 
     def bind(self, *, layer: int | None, role: str | None, calib, spec: QuantSpec) -> None:
         self.inner.bind(layer=layer, role=role, calib=calib, spec=spec)  # a calibrated inner codec's tables
@@ -125,12 +142,47 @@ class RotationCodec(_Wrapper):
     def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
         super().__init__(spec, heads, head_dim, dtype)
         self.signs = hadamard_signs(spec.rotate, head_dim)
+        self._device_signs: dict[torch.device, torch.Tensor] = {}  # copied once, not per step (a host sync)
+
+    def kernel_frame(self, device: torch.device) -> KernelFrame | None:
+        """The inner codec's kernels, in the frame rotated by R (when they serve the inner codec)."""
+        if self.inner.kernel_layout() is None:
+            return None
+        if device not in self._device_signs:
+            self._device_signs[device] = self.signs.to(device)
+        return KernelFrame(self.inner, self._device_signs[device])
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.inner.encode(rotate(x.float(), self.signs).to(self.dtype))
 
     def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         return unrotate(self.inner.decode(fields, torch.float32), self.signs).to(dtype or self.dtype)
+
+
+@dataclass(frozen=True, eq=False)  # eq would compare the signs tensors
+class KernelFrame:
+    """How the Triton kernels serve a codec: they read the fields of `codec` (kernel_layout() not None) as
+    stored, which hold R x (R = H diag(signs), signs (D,) fp32 on the device) when signs is not None."""
+
+    codec: Codec
+    signs: torch.Tensor | None = None
+
+    def into(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """(..., D) -> R x in dtype (default x's), computed in fp32 as `RotationCodec.encode` does; x itself
+        when the frame is not rotated."""
+        return x if self.signs is None else rotate(x.float(), self.signs).to(dtype or x.dtype)
+
+    def out_of(self, y: torch.Tensor) -> torch.Tensor:
+        """(..., D) -> R^T y in y's dtype (fp32 arithmetic); y itself when the frame is not rotated."""
+        return y if self.signs is None else unrotate(y.float(), self.signs).to(y.dtype)
+
+
+def kernel_frame(codec: Codec, device: torch.device) -> KernelFrame | None:
+    """How the kernels on `device` serve `codec`: as it is when it has a kernel layout; a transform that
+    says how (`RotationCodec.kernel_frame`: its inner codec, rotated); else None (the reference path)."""
+    if codec.kernel_layout() is not None:
+        return KernelFrame(codec)
+    return codec.kernel_frame(device) if isinstance(codec, _Wrapper) else None
 
 
 # ---------------------------------------------------------------------------------------------- centering

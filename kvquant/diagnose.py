@@ -295,9 +295,10 @@ class OffsetWarner:
         name = getattr(model.config, "_name_or_path", "") or ""
         specs = ", ".join(str(s) for s in at_risk)
         msg = (
-            f"this model's keys carry per-channel offsets up to {ratio:.0f}x their token-to-token spread (layer "
-            f"{layer}), and scheme {parse_scheme(scheme)} quantizes keys per token/group ({specs}): expect a "
-            f"collapse. Recommended: {diag.recommended} (or channel-wise keys, e.g. k=int4-channel-g64); "
+            f"this model's keys carry per-channel offsets up to {ratio:.0f}x their token-to-token spread "
+            f"(layer {layer}), and scheme {parse_scheme(scheme)} quantizes keys per token/group ({specs}): "
+            f"expect a collapse. Recommended: {diag.recommended} "
+            "(or channel-wise keys, e.g. k=int4-channel-g64); "
             f"details: python experiments/diagnose.py --model {name or 'MODEL'}"
         )
         key = (id(model), str(parse_scheme(scheme)))

@@ -131,7 +131,9 @@ def layer_pages(
     token group)."""
     sink = 0 if sliding_window is not None else min(scheme.sink, num_tokens)
     s = 0 if sliding_window is not None else scheme.sink
-    body_end = scheme.quantized_end(num_tokens) if sliding_window is None else _sliding_end(scheme, num_tokens)
+    body_end = (
+        scheme.quantized_end(num_tokens) if sliding_window is None else _sliding_end(scheme, num_tokens)
+    )
     dropped = 0
     if sliding_window is not None:
         dropped = max(num_tokens - sliding_window + 1, 0) // block_size * block_size

@@ -6,9 +6,9 @@ Layout (little-endian within a byte), for codes c[..., n]:
     2 bits: byte j = c[4j] | c[4j+1] << 2 | c[4j+2] << 4 | c[4j+3] << 6
     3 bits: 8 codes per 3 bytes: the 24-bit word w = c[8i] | c[8i+1] << 3 | ... | c[8i+7] << 21 is stored
             little-endian as bytes 3i, 3i+1, 3i+2 (w & 255, w >> 8 & 255, w >> 16)
-A last dimension that is not a whole number of packing units (8 // bits codes, or 8 codes for 3 bits) is padded
-with zero codes; `unpack` takes the original length back. So n codes take exactly n * bits / 8 bytes when n
-is a multiple of the unit.
+A last dimension that is not a whole number of packing units (8 // bits codes, or 8 codes for 3 bits) is
+padded with zero codes; `unpack` takes the original length back. So n codes take exactly n * bits / 8 bytes
+when n is a multiple of the unit.
 """
 
 from __future__ import annotations

@@ -1,13 +1,16 @@
-"""A model's rotary position embedding (RoPE), applied and inverted at given positions: what `-prerope` keys need.
+"""A model's rotary position embedding (RoPE), applied and inverted at given positions: what `-prerope` keys
+need.
 
 The cache receives keys after the model applied RoPE. A `-prerope` key spec stores them before it: the cache
 inverts the rotation at each key's position on the way in (`Rope.invert`), the codec quantizes the un-rotated
-key, and the reference attention path re-applies the rotation after decoding (`Rope.apply`). Quantization then
-sees the channels' own statistics, which RoPE otherwise spins at a position-dependent rate (KVQuant, sec. 3.2).
+key, and the reference attention path re-applies the rotation after decoding (`Rope.apply`). Quantization
+then sees the channels' own statistics, which RoPE otherwise spins at a position-dependent rate (KVQuant,
+sec. 3.2).
 
 What is reproduced: transformers' rotate-half RoPE over the whole head dim,
 
-    k_rope = k * cos + rotate_half(k) * sin,   cos, sin = cat(f, f).cos() * a, ... with f = position * inv_freq
+    k_rope = k * cos + rotate_half(k) * sin,   cos, sin = cat(f, f).cos() * a, ...
+    with f = position * inv_freq
 
 with cos/sin computed in float32 exactly as the model's rotary embedding does (inv_freq and the attention
 scaling a from the model's own rotary module), then cast to the tensor's dtype. The inverse divides by
@@ -31,7 +34,8 @@ import torch
 __all__ = ["Rope", "RopeError", "SUPPORTED_ROPE_TYPES", "ROTATE_HALF_MODELS"]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# model types whose attention applies transformers' rotate-half RoPE to all of head_dim, one RoPE for all layers
+# model types whose attention applies transformers' rotate-half RoPE to all of head_dim, one RoPE for all
+# layers
 ROTATE_HALF_MODELS = (
     "llama",
     "mistral",
@@ -71,7 +75,8 @@ class Rope:
         if model_type not in ROTATE_HALF_MODELS:
             raise RopeError(
                 f"-prerope cannot invert the RoPE of model type {model_type!r}; supported model types: "
-                f"{', '.join(ROTATE_HALF_MODELS)} (rotate-half RoPE over the full head dim, one for all layers)"
+                f"{', '.join(ROTATE_HALF_MODELS)} "
+                "(rotate-half RoPE over the full head dim, one for all layers)"
             )
         params = getattr(text, "rope_parameters", None) or {}
         rope_type = (
@@ -80,7 +85,8 @@ class Rope:
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise RopeError(
                 f"-prerope does not support RoPE type {rope_type!r} ({params}); supported: "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)} (dynamic and longrope change their frequencies with the length)"
+                f"{', '.join(SUPPORTED_ROPE_TYPES)} "
+                "(dynamic and longrope change their frequencies with the length)"
             )
         if (
             float(params.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0)) or 1.0)
@@ -117,7 +123,8 @@ class Rope:
         return (y * cos + rotate_half(y) * sin).to(x.dtype)
 
     def invert(self, x: torch.Tensor, start: int) -> torch.Tensor:
-        """The exact inverse of `apply` (in float64): x (B, H, T, D) rotated at positions start.. -> pre-RoPE."""
+        """The exact inverse of `apply` (in float64): x (B, H, T, D) rotated at positions start.. ->
+        pre-RoPE."""
         self._check(x)
         cos, sin = self.cos_sin(start, x.shape[2], x.dtype, x.device)  # the values `apply` multiplies by
         c, s, y = cos.double(), sin.double(), x.double()

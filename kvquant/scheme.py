@@ -110,14 +110,16 @@ class QuantSpec:
     scale_dtype: name of the dtype of stored scales and zeros ("fp16", "bf16", "fp32"); None stores them
         in the K/V dtype.
     codebook: non-uniform levels (`nuqN`): each block is normalized to [-1, 1] by its scale (and centre) and
-        each value coded as the nearest of 2^bits levels fitted offline per layer and K/V (a calibration file).
+        each value coded as the nearest of 2^bits levels fitted offline per layer and K/V (a calibration
+        file).
     prerope: keys stored before the rotary embedding (the cache inverts the model's RoPE on the way in and
         re-applies it on read); keys only.
     fp8: "e4m3" or "e5m2": FP8 codes (bits 8, absmax-scaled, so symmetric) instead of integers.
     center: tokens per stored per-(head, channel) offset subtracted before quantizing (`-centerN`).
     rotate: seed of the random signs of the Walsh-Hadamard rotation applied before quantizing (`-rotS`).
     outliers: percent of each (token, head) vector's largest magnitudes kept exact (`-outP`).
-    unit_scale: fp8 only (`-tensor`): one fixed unit scale for everything, nothing stored (granularity unused).
+    unit_scale: fp8 only (`-tensor`): one fixed unit scale for everything, nothing stored (granularity
+        unused).
     """
 
     bits: int
@@ -247,7 +249,8 @@ class QuantSpec:
             )
         if self.is_quantized and head_dim * self.bits % 8:
             raise SchemeError(
-                f"head_dim {head_dim} cannot be packed at {self.bits} bits (head_dim * bits must be a multiple of 8)"
+                f"head_dim {head_dim} cannot be packed at {self.bits} bits "
+                "(head_dim * bits must be a multiple of 8)"
             )
         if self.rotate is not None and rotation_block(head_dim) < 8:
             raise SchemeError(
@@ -283,8 +286,8 @@ class Scheme:
     """A K spec, a V spec, and how many first (sink) and last (window) tokens stay unquantized.
 
     layers: per-layer specs (`layers=0-3:int8+4-29:int4-g64`), ranges tiling layers 0..N-1 in order; then
-        `key`/`value` are layer 0's and `for_layer(i)` gives layer i's uniform scheme (code that builds a layer
-        must use it; for a uniform scheme it is the scheme itself).
+        `key`/`value` are layer 0's and `for_layer(i)` gives layer i's uniform scheme (code that builds a
+        layer must use it; for a uniform scheme it is the scheme itself).
     calib: path of a calibration file (`experiments/calibrate.py`) holding the codebooks of `nuqN` specs.
     """
 
@@ -425,7 +428,9 @@ EXAMPLES: dict[str, str] = {
     "k=int4-channel-g64,v=int4-g64,sink=4,window=128": "K per channel (groups of 64 tokens), V per group",
     "k=int4-channel-g64-prerope,v=int4-g64": "K per channel, stored before RoPE (re-applied on read)",
     "k=fp16-prerope,v=fp16": "pre-RoPE storage alone (equals the model exactly)",
-    "nuq4-g64,calib=calib/smollm2-nuq.safetensors": "4-bit non-uniform levels per layer and K/V, per 64 channels",
+    "nuq4-g64,calib=calib/smollm2-nuq.safetensors": (
+        "4-bit non-uniform levels per layer and K/V, per 64 channels"
+    ),
     "k=nuq3-channel-g64-prerope,v=nuq3-g64,calib=calib/smollm2-nuq.safetensors": "KVQuant-style 3-bit",
     "nuq2-g32,calib=calib/smollm2-nuq.safetensors": "2-bit non-uniform levels, per 32 channels",
     "layers=0-1:int8+2-29:int4-g64": "per-layer specs: layers 0-1 int8, 2-29 int4-g64 (30-layer model)",

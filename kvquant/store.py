@@ -303,7 +303,8 @@ class BlockTable:
         self.pool.write(self.tensor(), start - self.first * bs, values)
 
     def region(self, start: int, length: int, position: int = 0) -> Region:
-        """Region tokens [start, start + length) as a `Region` (position: absolute position of token start)."""
+        """Region tokens [start, start + length) as a `Region` (position: absolute position of token
+        start)."""
         bs = self.pool.block_size
         if length <= 0:
             return Region(self.tensor()[:, :0], 0, 0, position)

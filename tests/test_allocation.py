@@ -1,5 +1,6 @@
-"""Per-layer K/V bit allocation: the MILP picks the best valid scheme under the budget, the result is an ordinary
-scheme that round-trips, and the whole path (sensitivity -> choice -> cache) runs on the tiny model."""
+"""Per-layer K/V bit allocation: the MILP picks the best valid scheme under the budget, the result is an
+ordinary scheme that round-trips, and the whole path (sensitivity -> choice -> cache) runs on the tiny
+model."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Pre-RoPE keys (`-prerope`): the rotary embedding inverted exactly, FP16 storage equal to the model, decode-exact
-chunks, the RoPE types that work and those refused, and the reference-path fallback."""
+"""Pre-RoPE keys (`-prerope`): the rotary embedding inverted exactly, FP16 storage equal to the model,
+decode-exact chunks, the RoPE types that work and those refused, and the reference-path fallback."""
 
 from __future__ import annotations
 

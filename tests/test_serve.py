@@ -196,7 +196,8 @@ def test_store_bytes_are_fp16_whatever_the_compute_dtype(model):
 
 
 def test_serve_results_log_to_wandb_offline(tmp_path, monkeypatch):
-    """The serve run directory becomes one offline W&B run (summary table and plot); no account, no network."""
+    """The serve run directory becomes one offline W&B run (summary table and plot); no account, no
+    network."""
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = tmp_path / "run"
     run_dir.mkdir()

@@ -1,6 +1,6 @@
 """The cache with the kernels forced on (Triton's interpreter on the CPU): every decode step goes through
 the paged fused attention, every body append through quantize_pack_into, and generation matches the
-PyTorch reference token for token; the pages the kernels wrote are the reference's bit for bit."""
+PyTorch reference token for token (logits to 1e-4); the pages the kernels wrote are the reference's bit for bit."""
 
 from __future__ import annotations
 
@@ -22,7 +22,8 @@ def model():
 def _generate(model, ids, scheme, backend):
     cache = kvquant.QuantizedCache(scheme, model.config, backend=backend)
     with torch.no_grad():
-        out = model.generate(ids, cache=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False)
+        out = model.generate(ids, cache=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
     return out, cache
 
 
@@ -46,7 +47,9 @@ def test_generate_with_kernels_matches_the_reference(model, scheme, monkeypatch)
     monkeypatch.setattr(dispatch, "fused_attention", spy_attention)
     monkeypatch.setattr(dispatch, "quantize_pack_into", spy_append)
     got, cache = _generate(model, ids, scheme, "triton")
-    assert torch.equal(got, ref)
+    assert torch.equal(got.sequences, ref.sequences)
+    # a tiny random model's greedy tokens barely depend on attention; its logits do (fp32 throughout)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=0, atol=1e-4)
     assert calls["served"] == 5 * 2  # every decode step (6 new tokens: 5 after the prefill) of both layers
     if kvquant.parse_scheme(scheme).key.is_quantized:
         assert calls["append"] > 0

@@ -69,7 +69,8 @@ def test_gqa_and_mqa(gqa, h_kv, device):
 
 @pytest.mark.parametrize(
     "sink,body,recent,offset",
-    [(0, 16, 0, 0), (0, 0, 1, 0), (4, 0, 0, 0), (3, 16, 0, 0), (0, 144, 7, 9), (4, 144, 13, 15), (1, 0, 16, 1)],
+    [(0, 16, 0, 0), (0, 0, 1, 0), (4, 0, 0, 0), (3, 16, 0, 0), (0, 144, 7, 9), (4, 144, 13, 15),
+     (1, 0, 16, 1)],
 )
 def test_regions_present_and_absent(sink, body, recent, offset, device):
     layer = make_paged_layer(sink=sink, body=body, recent=recent, recent_offset=offset, k="int4-g64",
@@ -169,7 +170,8 @@ def test_bad_inputs(device):
         decode_attention(q, *args, key_mask=torch.ones(2, t, device=device))
     with pytest.raises(ValueError, match=r"key_mask must be \(B=2 or 1, T="):
         decode_attention(q, *args, key_mask=torch.ones(2, t + 1, dtype=torch.bool, device=device))
-    strided = dict(layer.key_pages, codes=layer.key_pages["codes"].transpose(0, 1).contiguous().transpose(0, 1))
+    codes = layer.key_pages["codes"]
+    strided = dict(layer.key_pages, codes=codes.transpose(0, 1).contiguous().transpose(0, 1))
     with pytest.raises(ValueError, match="contiguous"):
         decode_attention(q, layer.fp_k, layer.fp_v, strided, *args[3:])
 

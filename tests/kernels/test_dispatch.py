@@ -99,7 +99,8 @@ def test_quantize_pack_into_entry_is_the_reference_bit_for_bit(device):
 
     codec = codec_for("int4-channel-g4", 2, 64, torch.float32)
     x = torch.randn(1, 2, 8, 64)
-    pools = {n: torch.zeros(3, f.heads, 16 // f.tokens, f.cols, dtype=f.dtype) for n, f in codec.fields().items()}
+    pools = {n: torch.zeros(3, f.heads, 16 // f.tokens, f.cols, dtype=f.dtype)
+             for n, f in codec.fields().items()}
     want = {n: p.clone() for n, p in pools.items()}
     got = {n: p.to(device) for n, p in pools.items()}
     table = torch.tensor([[2, 0]])

@@ -50,7 +50,8 @@ def test_ci_subset_compiles_without_spills_within_shared_memory(tmp_path):
 def test_gpu_check_reports_a_failed_phase_and_runs_the_others(tmp_path):
     """A failing phase gives a non-zero exit, and the phases after it still run and are recorded."""
     out = tmp_path / "check"
-    proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"], capture_output=True,
+    script = str(ROOT / "benchmarks" / "gpu_check.sh")
+    proc = subprocess.run(["bash", script, "--dry-run"], capture_output=True,
                           text=True, timeout=300,
                           env=_env(OUT=str(out), GPU_CHECK_PHASES="env bench", GPU_CHECK_FAIL_PHASE="env"))
     assert proc.returncode != 0, proc.stdout[-3000:]

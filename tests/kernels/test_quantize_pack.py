@@ -141,8 +141,8 @@ def _pools(codec, n_pages: int, bs: int, seed: int) -> dict[str, torch.Tensor]:
     return out
 
 
-INTO_CASES = ["int8", "int4-g32", "int4-head-sym-sbf16", "int2-g16", "int4-channel-g8", "int2-channel-g16-sfp32",
-              "int8-channel-g16-sym"]
+INTO_CASES = ["int8", "int4-g32", "int4-head-sym-sbf16", "int2-g16", "int4-channel-g8",
+              "int2-channel-g16-sfp32", "int8-channel-g16-sym"]
 
 
 @pytest.mark.parametrize("spec_text", INTO_CASES)

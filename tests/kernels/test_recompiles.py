@@ -34,7 +34,7 @@ def count_decode_variants(scheme_text: str, start: int = 512, stop: int = 32768)
             sink = min(scheme.sink, n)
             body, recent = body_end - sink, n - body_end
             r_off = body_end % bs  # the window region starts where the body stopped
-            pages = lambda k, off=0: torch.arange(-(-(off + k) // bs), dtype=torch.int64)[None]  # (1, n_pages)
+            pages = lambda k, off=0: torch.arange(-(-(off + k) // bs), dtype=torch.int64)[None]  # (1, n)
             view = type(layer)(
                 block_size=bs, fp_k=fp_pool, fp_v=fp_pool,
                 sink=Region(pages(sink), 0, sink), body=Region(pages(body), 0, body),
@@ -61,7 +61,7 @@ def test_one_variant_per_scheme_from_512_to_32k_tokens():
         print(scheme, counts, calls)
 
 
-# ----------------------------------------------------------------------------------------------- the counter itself
+# ----------------------------------------------------------------------------------------- the counter itself
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
