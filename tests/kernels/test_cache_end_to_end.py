@@ -1,8 +1,11 @@
 """The cache with the kernels forced on (Triton's interpreter on the CPU): every decode step goes through
 the paged fused attention, every body append through quantize_pack_into, and generation matches the
-PyTorch reference token for token (logits to 1e-4); the pages the kernels wrote are the reference's bit for bit."""
+PyTorch reference token for token (logits to 1e-4); the pages the kernels wrote are the reference's bit
+for bit. Rotated schemes included."""
 
 from __future__ import annotations
+
+import logging
 
 import pytest
 import torch
@@ -11,7 +14,13 @@ from tiny_models import make_tiny_model
 
 import kvquant
 
-SCHEMES = ["int4-g32", "k=int4-channel-g16,v=int8,sink=2,window=4", "fp16,sink=2,window=4"]
+SCHEMES = [
+    "int4-g32",
+    "k=int4-channel-g16,v=int8,sink=2,window=4",
+    "fp16,sink=2,window=4",
+    "int4-g64-rot",  # rotated: the kernels work in the rotated frame (kvquant.codec_transforms.kernel_frame)
+    "k=int4-channel-g16-rot,v=int4-g32-rot5,sink=2,window=4",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +37,7 @@ def _generate(model, ids, scheme, backend):
 
 
 @pytest.mark.parametrize("scheme", SCHEMES)
-def test_generate_with_kernels_matches_the_reference(model, scheme, monkeypatch):
+def test_generate_with_kernels_matches_the_reference(model, scheme, monkeypatch, caplog):
     ids = torch.randint(1, 5000, (2, 21), generator=torch.Generator().manual_seed(0))
     ref, ref_cache = _generate(model, ids, scheme, "torch")
     calls = {"attention": 0, "served": 0, "append": 0}
@@ -46,13 +55,16 @@ def test_generate_with_kernels_matches_the_reference(model, scheme, monkeypatch)
 
     monkeypatch.setattr(dispatch, "fused_attention", spy_attention)
     monkeypatch.setattr(dispatch, "quantize_pack_into", spy_append)
-    got, cache = _generate(model, ids, scheme, "triton")
+    with caplog.at_level(logging.INFO, logger="kvquant"):
+        got, cache = _generate(model, ids, scheme, "triton")
     assert torch.equal(got.sequences, ref.sequences)
-    # a tiny random model's greedy tokens barely depend on attention; its logits do (fp32 throughout)
+    # a tiny random model's greedy tokens barely depend on attention; its logits do (fp32 throughout; an
+    # unrotated query in the rotated frame moves them by ~5e-2, the kernel path agrees to ~1e-6)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=0, atol=1e-4)
     assert calls["served"] == 5 * 2  # every decode step (6 new tokens: 5 after the prefill) of both layers
     if kvquant.parse_scheme(scheme).key.is_quantized:
         assert calls["append"] > 0
+    assert not [r for r in caplog.records if "no Triton kernel reads" in r.getMessage()]  # no fallback
     # layer 0's K/V depend only on the tokens (equal), so the pages the kernel wrote equal the reference's;
     # deeper layers see attention outputs that agree only to rounding, so their scales may differ in ulps
     a, b = cache.layers[0].stored(), ref_cache.layers[0].stored()

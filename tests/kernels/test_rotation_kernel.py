@@ -4,17 +4,13 @@ the kernels matches the PyTorch path token for token. Other transforms keep the 
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from kvquant.kernels import dispatch, quantize_pack
 from kvquant.kernels.decode_attention import decode_attention_ref
 from kvquant.kernels.quantize_pack import quantize_pack_into_ref
 from kvquant.kernels.testing import make_paged_layer
-from tiny_models import make_tiny_model
 
-import kvquant
 from kvquant.codec import codec_for
 from kvquant.codec_transforms import RotationCodec, kernel_frame
 
@@ -95,49 +91,4 @@ def test_only_rotation_around_a_kernel_codec_is_served():
         assert kernel_frame(codec_for(spec, 2, 64), dev) is None  # the reference path, as before
 
 
-@pytest.fixture(scope="module")
-def model():
-    return make_tiny_model(seed=3, num_hidden_layers=2)
-
-
-@pytest.mark.parametrize("scheme", ["int4-g64-rot", "k=int4-channel-g16-rot,v=int4-g32-rot5,sink=2,window=4"])
-def test_generate_rotated_with_kernels_matches_the_reference(model, scheme, monkeypatch, caplog):
-    ids = torch.randint(1, 5000, (2, 21), generator=torch.Generator().manual_seed(0))
-
-    def generate(backend):
-        cache = kvquant.QuantizedCache(scheme, model.config, backend=backend)
-        with torch.no_grad():
-            out = model.generate(ids, cache=cache, max_new_tokens=6, min_new_tokens=6, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True)
-        return out, cache
-
-    ref, ref_cache = generate("torch")
-    calls = {"served": 0, "append": 0}
-    attend, append = dispatch.fused_attention, dispatch.quantize_pack_into
-
-    def spy_attention(*args, **kwargs):
-        out = attend(*args, **kwargs)
-        calls["served"] += out is not None
-        return out
-
-    def spy_append(*args, **kwargs):
-        calls["append"] += 1
-        return append(*args, **kwargs)
-
-    monkeypatch.setattr(dispatch, "fused_attention", spy_attention)
-    monkeypatch.setattr(dispatch, "quantize_pack_into", spy_append)
-    with caplog.at_level(logging.INFO, logger="kvquant"):
-        got, cache = generate("triton")
-    assert torch.equal(got.sequences, ref.sequences)
-    # the tiny model's greedy tokens barely depend on attention; its logits do (an unrotated query moves
-    # them by ~5e-2, the kernel path agrees to ~1e-6)
-    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=0, atol=1e-4)
-    assert calls["served"] == 5 * 2  # every decode step of both layers
-    assert calls["append"] > 0
-    assert not [r for r in caplog.records if "no Triton kernel reads" in r.getMessage()]
-    # layer 0's K/V depend only on the tokens: the kernel's pages are the reference's bit for bit
-    a, b = cache.layers[0].stored(), ref_cache.layers[0].stored()
-    for name in a.key_fields:
-        assert torch.equal(a.key_fields[name], b.key_fields[name]), name
-    for name in a.value_fields:
-        assert torch.equal(a.value_fields[name], b.value_fields[name]), name
+# `generate` end to end with rotated schemes: tests/kernels/test_cache_end_to_end.py (SCHEMES)
