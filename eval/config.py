@@ -169,6 +169,9 @@ class RunConfig:
             raise RunError(f"unknown device {self.device!r}; use cpu, cuda, cuda:N or mps")
         _positive("--max-length", self.max_length, 2, "a document of L tokens gives L - 1 predictions")
         _positive("--chunk", self.chunk, 1, "tokens per forward")
+        if self.noise_floor and self.chunk < 2:
+            raise RunError("--noise-floor needs --chunk >= 2 (token-by-token decoding has one realization: "
+                           "the noise floor compares two chunkings)")
         _positive("--docs", self.docs, 1, "documents to evaluate")
         _positive("--tokens", self.tokens, 1, "the token budget")
         if not _is_int(self.seed):

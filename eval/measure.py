@@ -47,6 +47,7 @@ __all__ = [
     "FakeQuantCache",
     "make_buckets",
     "make_cache",
+    "noise_shift",
     "steps",
     "TOKEN_FIELDS",
     "evaluate_document",
@@ -177,6 +178,18 @@ def make_cache(scheme: EvalScheme | None, config, mode: str) -> Cache:
     if mode not in scheme.modes:
         raise ValueError(f"{scheme.label} runs in {'/'.join(scheme.modes)} mode only, not {mode}")
     return scheme.make_cache(config, mode)
+
+
+def noise_shift(chunk: int) -> int:
+    """How much shorter the first chunk of the second realization (--noise-floor) is: chunk // 2 + 1, so
+    its chunks start at odd offsets. Not chunk / 2: on the CPU a forward of 512 or 1,024 rows computes each
+    row bit for bit alike (the GEMM tiles divide both), so a half-chunk shift reproduces the first
+    realization exactly and would report no noise where other chunkings move int4-g64 by points."""
+    if chunk < 2:
+        raise ValueError(
+            f"chunk={chunk}: token-by-token decoding has one realization; a noise floor needs >= 2"
+        )
+    return chunk // 2 + 1
 
 
 def steps(length: int, mode: str, chunk: int, prefill: int | None = None, shift: int = 0) -> list[int]:

@@ -354,8 +354,15 @@ def known_shapes_table(schemes: list, batch: int = 100, tokens: int = 4096, kv_d
     for name, shape in kvquant.memory.KNOWN_SHAPES.items():
         fp = kvquant.memory.fp16_bytes_per_token(shape, dbytes)
         rows = [(_DTYPE_SHORT[kv_dtype], fp)]
-        rows += [(s.name, s.bytes_per_token(shape, dbytes)) for s in schemes]
+        for s in schemes:
+            try:
+                rows.append((s.name, s.bytes_per_token(shape, dbytes)))
+            except kvquant.SchemeError:  # per-layer specs written for another depth: no figure to give
+                rows.append((s.name, None))
         for label, b in rows:
+            if b is None:
+                lines.append(f"| {name} | `{label}` | — (its layers= ranges are for another depth) | — | — |")
+                continue
             total = b * batch * tokens
             lines.append(
                 f"| {name} | `{label}` | {b / 1024:,.1f} | {total / 1e9:,.1f} ({total / 2**30:,.1f}) | "

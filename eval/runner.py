@@ -47,6 +47,7 @@ from .measure import (  # noqa: F401
     cache_nbytes,
     evaluate_document,
     make_buckets,
+    noise_shift,
     steps,
 )
 from .refcache import ReferenceCache
@@ -440,7 +441,7 @@ def _measure(
     try:
         for mode in config.modes:
             base = mode.removesuffix("-shift")
-            shift = config.chunk // 2 if mode.endswith("-shift") else 0
+            shifted = mode.endswith("-shift")
             prefill = config.prefill_length if base == "prefill" else None
             mode_schemes = _runs_in(mode, schemes)
             _record_skipped(results, mode, [s for s in schemes if s not in mode_schemes])
@@ -458,6 +459,7 @@ def _measure(
                 # schemes with their own default chunk (peers: 128) run in their own lockstep, beside a
                 # reference chunked alike (its KL partner; its results.jsonl rows come from the first group)
                 for n, (chunk, group) in enumerate(_chunk_groups(config, base, todo)):
+                    shift = noise_shift(chunk) if shifted else 0
                     ref_hidden, key = None, None
                     if refs is not None:
                         key = refs.key(ids, dtype, steps(ids.shape[1], base, chunk, prefill, shift))
@@ -472,7 +474,7 @@ def _measure(
                         chunk=chunk,
                         buckets=buckets,
                         prefill=prefill,
-                        shift=shift if chunk == config.chunk else chunk // 2 if shift else 0,
+                        shift=shift,
                         reference_hidden=ref_hidden,
                         on_reference=(lambda h, key=key: refs.save(key, h)) if refs is not None else None,
                         on_bucket=_bucket_writer(results, tokens, mode, doc),

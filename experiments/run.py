@@ -118,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--noise-floor",
         action="store_true",
-        help="measure cache mode a second time with chunks shifted by chunk/2; report |drift difference|",
+        help="measure cache mode a second time with chunk boundaries shifted by chunk/2 + 1; report "
+        "|drift difference| (the realization noise of float rounding)",
     )
     p.add_argument("--force", action="store_true", help="replace an existing run directory")
     p.add_argument("--wandb", default="disabled", choices=WANDB_MODES)

@@ -60,6 +60,7 @@ def bad_cli_cases(p: dict[str, Path], corpus: Path) -> list[tuple[list[str], str
         ([*s, "--max-length", "-5"], "--max-length -5 must be at least 2"),
         ([*s, "--max-length", "abc"], "invalid int value: 'abc'"),
         ([*s, "--chunk", "0"], "--chunk 0 must be at least 1"),
+        ([*s, "--noise-floor", "--chunk", "1"], "--noise-floor needs --chunk >= 2"),
         ([*s, "--chunk", "-3"], "--chunk -3 must be at least 1"),
         ([*s, "--docs", "0"], "--docs 0 must be at least 1"),
         ([*s, "--tokens", "0"], "--tokens 0 must be at least 1"),

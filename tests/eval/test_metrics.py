@@ -12,7 +12,7 @@ import pytest
 import torch
 from kvquant.eval import metrics, wandb_logger
 from kvquant.eval.config import RunConfig, RunError
-from kvquant.eval.measure import REFERENCE, evaluate_document, make_buckets, steps
+from kvquant.eval.measure import REFERENCE, evaluate_document, make_buckets, noise_shift, steps
 from kvquant.eval.runner import memory_of, run
 from kvquant.eval.schemes import EvalScheme, KVQuantScheme, PeerScheme, parse_eval_scheme
 from kvquant.eval.stats import bootstrap_intervals
@@ -83,6 +83,15 @@ def test_steps():
     assert steps(10, "prefill", 4, prefill=7) == [0, 7, 10]
     with pytest.raises(ValueError, match="prefill"):
         steps(10, "prefill", 4, prefill=10)
+
+
+def test_noise_shift_moves_boundaries_to_odd_offsets():
+    # chunk/2 would keep 512- and 1,024-row forwards, which the CPU computes row for row alike
+    assert noise_shift(1024) == 513
+    assert steps(2048, "cache", 1024, shift=noise_shift(1024)) == [0, 511, 1535, 2048]
+    assert noise_shift(2) == 2 and steps(5, "cache", 2, shift=2) == [0, 1, 3, 5]
+    with pytest.raises(ValueError, match="one realization"):
+        noise_shift(1)
 
 
 # ------------------------------------------------------------------------------------------------ measure

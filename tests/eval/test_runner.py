@@ -79,6 +79,18 @@ def test_known_shapes_table():
     assert "| llama-3-70b | `fp16` | 320.0 | 134.2 (125.0) | 1.00x |" in table
 
 
+def test_known_shapes_table_with_a_per_layer_scheme():
+    """A layers= scheme written for a 30-layer model has no figure for 32- or 80-layer shapes: the table says
+    so (it used to raise after a whole run had been measured, losing its report)."""
+    from kvquant.eval.schemes import parse_eval_scheme
+
+    scheme = parse_eval_scheme("layers=0-1:int8+2-29:int4-g64")
+    table = res.known_shapes_table([scheme, parse_eval_scheme("int4-g64")])
+    no_figure = "| llama-3-70b | `layers=0-1:int8+2-29:int4-g64` | — (its layers= ranges are for another"
+    assert no_figure in table
+    assert "| llama-3-70b | `int4-g64` | 90.0 |" in table
+
+
 def test_resume_after_interruption(
     tmp_path, finished, tiny_model, tokenizer, tiny_corpus, monkeypatch, caplog
 ):
