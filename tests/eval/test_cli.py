@@ -181,8 +181,9 @@ def test_ctrl_c_before_measuring_is_one_line(monkeypatch, tiny_corpus, capsys):
 # A real process and a real SIGINT. The child's ResultsFile.append blocks after its 3rd point (and says so
 # in a marker file), so the signal always lands mid-run however fast or slow the machine is.
 _CHILD = """
-import sys, time
+import signal, sys, time
 from pathlib import Path
+signal.signal(signal.SIGINT, signal.default_int_handler)  # ignored in a background job
 sys.path.insert(0, {experiments!r})
 import run
 from kvquant.eval import results
