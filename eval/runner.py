@@ -230,8 +230,10 @@ def _select_documents(
 
 
 def _prepare_dir(run_dir: Path, config_json: dict, identity: dict, force: bool) -> None:
+    """Resume a run of the same configuration; refuse another one, or a folder that is not a run, unless
+    force, which always starts over (also over a run of the same configuration)."""
     cfg_path = run_dir / "config.json"
-    if cfg_path.is_file():
+    if cfg_path.is_file() and not force:
         old = json.loads(cfg_path.read_text())
         if old.get("identity") == identity:
             return  # resume

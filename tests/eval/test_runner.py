@@ -157,6 +157,14 @@ def test_force(tmp_path, tiny_model, tokenizer, tiny_corpus):
         tokenizer=tokenizer,
     )
     assert json.loads((out / "config.json").read_text())["schemes"] == ["int4-g64"]
+    # --force over a run of the same configuration starts over too (it used to resume silently)
+    (out / "results.jsonl").write_text("")
+    run(
+        cfg(out, tiny_corpus, schemes=("int4-g64",), docs=1, force=True),
+        model=tiny_model,
+        tokenizer=tokenizer,
+    )
+    assert (out / "results.jsonl").read_text().strip()  # measured again, not "nothing left to measure"
     other = tmp_path / "not-a-run"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
