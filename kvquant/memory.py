@@ -227,13 +227,19 @@ def window_copy_bytes(
     """Bytes of the FP copy of a windowed scheme's window at the resume point, which the prefix cache holds
     once (besides the shared pages) so that requests can resume there decode-exactly; 0 without a window."""
     shape, scheme = KVShape.from_config(config), parse_scheme(scheme)
-    return _shared_layout(shape, scheme, context, shared_prefix, _torch_dtype(dtype), block_size)[1]
+    return _shared_layout(shape, scheme, context, shared_prefix, dtype, block_size)[1]
 
 
 def _shared_layout(
-    shape: KVShape, scheme: Scheme, context: int, shared_prefix: int, dtype: torch.dtype, block_size: int
+    shape: KVShape,
+    scheme: Scheme,
+    context: int,
+    shared_prefix: int,
+    dtype: torch.dtype | int,
+    block_size: int,
 ) -> tuple[int, int]:
     """(shared bytes, window-copy bytes) of a prefix over every full-attention layer."""
+    dtype = _torch_dtype(dtype)  # both public callers accept a byte count too
     kc = codec_for(scheme.key, shape.num_kv_heads, shape.head_dim, dtype)
     vc = codec_for(scheme.value, shape.num_kv_heads, shape.head_dim, dtype)
     bs = math.lcm(block_size, kc.token_group, vc.token_group)

@@ -99,3 +99,13 @@ def test_cache_bytes_sink_window_and_channel_groups():
         expected += body * 32 + (body // 16) * 64 * 2 * 2  # K: codes + per-channel scale/zero per 16 tokens
         expected += body * 32 + body * 4 * 2 * 2  # V: codes + scale/zero per 16 channels
         assert memory.cache_bytes(s, scheme, t) == expected, t
+
+
+@pytest.mark.parametrize("scheme", ["int4-g64,sink=4", "k=int4-channel-g64,v=int4-g64,sink=4,window=128"])
+def test_prefix_bytes_take_a_byte_count_or_a_dtype(scheme):
+    """shared_prefix_bytes and window_copy_bytes accept dtype as a torch dtype or its byte count, like every
+    bytes function here (shared_prefix_bytes used to fail on an int)."""
+    cfg = make_tiny_config()
+    for fn in (memory.shared_prefix_bytes, memory.window_copy_bytes):
+        assert fn(cfg, scheme, 1000, 600, dtype=2) == fn(cfg, scheme, 1000, 600, dtype=torch.float16)
+    assert memory.shared_prefix_bytes(cfg, scheme, 1000, 600, dtype=2) > 0
