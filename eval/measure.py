@@ -16,8 +16,9 @@ Three modes (every result names its mode):
 
 The reference and every scheme advance chunk by chunk together, so the reference distribution of a chunk is
 at hand when a scheme's is computed: KL and top-1 are summed without ever holding a document's full logits
-(8k positions x 49k vocabulary in fp32 is 1.6 GB per run). The reference's last hidden states may be passed
-in (`reference_hidden`, from the run directory's reference cache) instead of recomputed.
+(8k positions x 49k vocabulary in fp32 is 1.6 GB per run). The reference may be passed in (`reference`, from
+the reference cache): its last hidden states and the few numbers per position that KL, Δp and top-1 need of
+it (`kvquant.eval.scoring`), so neither its forward nor its LM head is recomputed.
 
 Positions: a document of L tokens gives L - 1 predictions; the prediction of token i (1 <= i < L) falls in
 the bucket [start, end) that holds i.
@@ -36,6 +37,7 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 import kvquant
 from kvquant.scheme import Scheme
 
+from . import scoring
 from .schemes import EvalScheme, parse_eval_scheme
 
 __all__ = [
@@ -259,16 +261,6 @@ def _hidden(model, ids: torch.Tensor, cache: Cache, position: int = 0) -> torch.
     return out.last_hidden_state
 
 
-def _logprobs(model, hidden: torch.Tensor) -> torch.Tensor:
-    logits = model.get_output_embeddings()(hidden).float()
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap is None and hasattr(model.config, "get_text_config"):
-        cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-    if cap:
-        logits = torch.tanh(logits / cap) * cap
-    return torch.log_softmax(logits, dim=-1)
-
-
 def store_prefill(cache: Cache, fp_cache: Cache) -> None:
     """Store what an FP prefill left in `fp_cache` (a DynamicCache) into `cache`, layer by layer: the
     scheme's cache quantizes it as it would any update (sink FP, body encoded, window FP)."""
@@ -291,8 +283,8 @@ def evaluate_document(
     buckets: Sequence[Bucket],
     prefill: int | None = None,
     shift: int = 0,
-    reference_hidden: torch.Tensor | None = None,
-    on_reference: Callable[[torch.Tensor], None] | None = None,
+    reference: dict[str, torch.Tensor] | None = None,
+    on_reference: Callable[[dict[str, torch.Tensor]], None] | None = None,
     on_bucket: OnBucket | None = None,
     on_error: OnError | None = None,
     progress: Callable[[int], None] | None = None,
@@ -300,10 +292,11 @@ def evaluate_document(
     """Measure one document (ids (1, L)) for the reference and every scheme, in lockstep.
 
     prefill: P, the prompt length of prefill mode. shift: cache mode's first chunk is `shift` tokens shorter
-    (`steps`). reference_hidden: the reference's last hidden states (1, L, hidden) computed before with the
-    same model, tokens, dtype and chunking: the reference forward is skipped. on_reference(hidden) receives
-    the reference's hidden states (1, L, hidden) on the CPU once the document is complete, when they were
-    computed here.
+    (`steps`). reference: the reference computed before with the same model, tokens, dtype and chunking, as
+    the reference cache stores it: its last hidden states "hidden" (1, L, hidden) and, for a linear LM head,
+    the scoring statistics of its L - 1 predictions (`scoring.STAT_FIELDS`); the reference forward is skipped,
+    and with the statistics its LM head too. on_reference(reference) receives that dict on the CPU once the
+    document is complete, whenever something in it was computed here.
 
     on_bucket(label, bucket, stats, cache_bytes, cache_tokens) is called as soon as a bucket is complete
     (the caller writes it to disk); cache_bytes is what that run's cache holds at that moment, over
@@ -314,9 +307,13 @@ def evaluate_document(
         raise ValueError(f"expected ids of shape (1, L), got {tuple(ids.shape)}")
     length = ids.shape[1]
     bounds = steps(length, mode, chunk, prefill, shift)
-    if reference_hidden is not None and tuple(reference_hidden.shape[:2]) != (1, length):
-        raise ValueError(f"reference_hidden {tuple(reference_hidden.shape)} does not match ids (1, {length})")
-    live_ref = reference_hidden is None
+    if reference is not None and tuple(reference["hidden"].shape[:2]) != (1, length):
+        shape = tuple(reference["hidden"].shape)
+        raise ValueError(f"reference hidden states {shape} do not match ids (1, {length})")
+    live_ref = reference is None
+    stored_stats = reference is not None and all(
+        f in reference and len(reference[f]) == length - 1 for f in scoring.STAT_FIELDS
+    )
     runs = [_Run(REFERENCE, make_cache(None, model.config, mode) if live_ref else None)]
     for s in schemes:
         s = parse_eval_scheme(s)
@@ -328,7 +325,8 @@ def evaluate_document(
         r.stats = {b: BucketStats() for b in buckets}
     pending = list(buckets)
     targets = ids[0, 1:]
-    kept: list[torch.Tensor] = []
+    kept: list[torch.Tensor] = []  # the reference's hidden states (1, t, hidden) per chunk, computed here
+    kept_stats: list[dict[str, torch.Tensor]] = []  # its scoring statistics per slice, when computed here
     for start, end in zip(bounds, bounds[1:], strict=False):
         piece = ids[:, start:end]
         hiddens: dict[str, torch.Tensor] = {}
@@ -337,7 +335,7 @@ def evaluate_document(
             if on_reference is not None:
                 kept.append(hiddens[REFERENCE].detach().to("cpu", copy=True))
         else:
-            hiddens[REFERENCE] = reference_hidden[:, start:end].to(ids.device)
+            hiddens[REFERENCE] = reference["hidden"][:, start:end].to(ids.device)
         first_prefill = mode == "prefill" and start == 0
         for r in list(runs[1:]):
             try:
@@ -360,19 +358,18 @@ def evaluate_document(
             s1 = min(s0 + LOGIT_SLICE, n_pred)
             tgt = targets[start + s0 : start + s1]  # token positions start+s0+1 .. start+s1
             pos = torch.arange(start + s0 + 1, start + s1 + 1, device=tgt.device)
-            ref_lp = _logprobs(model, hiddens[REFERENCE][0, s0:s1])
-            ref_top = ref_lp.argmax(-1)
-            ref_p = ref_lp.exp()
-            ref_nll = -ref_lp.gather(-1, tgt[:, None])[:, 0].double()
+            if stored_stats:
+                ref = scoring.stored_slice(reference, start + s0, start + s1, tgt.device)
+            else:
+                ref = scoring.reference_slice(model, hiddens[REFERENCE][0, s0:s1], tgt)
+                kept_stats.append(ref.stats())
+            ref_nll = ref.nll
             for r in runs:
-                lp = ref_lp if r.label == REFERENCE else _logprobs(model, hiddens[r.label][0, s0:s1])
-                nll = -lp.gather(-1, tgt[:, None])[:, 0].double()
                 if r.label == REFERENCE:
-                    kl = torch.zeros_like(nll)
+                    nll, kl = ref_nll, torch.zeros_like(ref_nll)
                     agree = torch.ones_like(tgt, dtype=torch.bool)
                 else:
-                    kl = (ref_p * (ref_lp - lp)).sum(-1).double().clamp_min(0)
-                    agree = lp.argmax(-1) == ref_top
+                    nll, kl, agree = scoring.score(model, ref, hiddens[r.label][0, s0:s1], tgt)
                 dp = torch.exp(-nll) - torch.exp(-ref_nll)
                 for b in buckets:
                     m = (pos >= max(b.start, 1)) & (pos < b.end)
@@ -399,8 +396,12 @@ def evaluate_document(
         if progress is not None:
             progress(end - start)
         del hiddens
-    if kept and on_reference is not None:
-        on_reference(torch.cat(kept, dim=1))
+    new_stats = bool(kept_stats) and all(kept_stats)  # a linear head: statistics for every slice
+    if on_reference is not None and (kept or new_stats):
+        out = {"hidden": torch.cat(kept, dim=1) if kept else reference["hidden"]}
+        if new_stats:
+            out.update({f: torch.cat([st[f] for st in kept_stats]) for f in scoring.STAT_FIELDS})
+        on_reference(out)
     return {r.label: r.stats for r in runs}
 
 

@@ -1,11 +1,16 @@
-"""The reference pass, computed once: the unquantized model's last hidden states per document, in safetensors.
+"""The reference pass, computed once: what the metrics need of the unquantized model per document, in
+safetensors.
 
-A sweep runs the same reference forward for every run that measures the same documents; only its last hidden
-states are needed (logits are recomputed from them through the LM head in slices), and they are small
-(8k tokens x 576 x 4 B = 19 MB for the default model). They are keyed by everything that decides them: the
+A sweep runs the same reference forward for every run that measures the same documents. Kept per document:
+its last hidden states and, for a linear LM head, the scoring statistics of each prediction
+(`kvquant.eval.scoring`: the mean head row under p, S, log-sum-exp, the target's nll, the argmax), so that
+neither the reference's forward nor its LM head runs again. Both are small: 2 x 8k tokens x 576 x 4 B = 38 MB
+for the default model, 2 x 32k x 640 x 4 B = 168 MB for Gemma-3-270M at 32k. A file from before the
+statistics (hidden states only) is still read; the statistics are then computed once and the file rewritten.
+They are keyed by everything that decides them: the
 model (its config and a fingerprint of its weights), the document's token ids (so the length and tokenizer),
 the compute dtype and the chunk boundaries (a different chunking is a different float32 rounding). Adding a
-scheme to a finished run then costs one forward per chunk instead of two.
+scheme to a finished run then costs the scheme's own forward and LM head per chunk.
 
 Folder: $KVQUANT_REFERENCE_CACHE, else <kvquant cache folder>/reference ($KVQUANT_CACHE, else
 ~/.cache/kvquant). Files are written atomically; an unreadable file is treated as absent.
@@ -45,7 +50,7 @@ def model_fingerprint(model) -> str:
 
 
 class ReferenceCache:
-    """Load and save the reference's last hidden states (1, L, hidden) of one document."""
+    """Load and save the reference of one document: {"hidden": (1, L, hidden), and scoring.STAT_FIELDS}."""
 
     def __init__(self, root: Path | None = None, model=None):
         self.root = Path(root) if root is not None else reference_dir()
@@ -64,23 +69,26 @@ class ReferenceCache:
     def path(self, key: str) -> Path:
         return self.root / f"{key}.safetensors"
 
-    def load(self, key: str) -> torch.Tensor | None:
+    def load(self, key: str) -> dict[str, torch.Tensor] | None:
         from safetensors.torch import load_file
 
         path = self.path(key)
         if not path.is_file():
             return None
         try:
-            return load_file(str(path))["hidden"]
+            stored = load_file(str(path))
+            if "hidden" not in stored:
+                raise KeyError("no 'hidden' tensor")
+            return stored
         except Exception as e:  # noqa: BLE001 - a damaged file is recomputed
             logger.warning("reference cache %s unreadable (%s); recomputing", path, e)
             return None
 
-    def save(self, key: str, hidden: torch.Tensor) -> None:
+    def save(self, key: str, reference: dict[str, torch.Tensor]) -> None:
         from safetensors.torch import save_file
 
         self.root.mkdir(parents=True, exist_ok=True)
         path = self.path(key)
         tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")
-        save_file({"hidden": hidden.contiguous()}, str(tmp))
+        save_file({k: v.contiguous() for k, v in reference.items()}, str(tmp))
         tmp.replace(path)

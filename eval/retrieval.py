@@ -43,11 +43,11 @@ from pathlib import Path
 
 import torch
 
-from . import metrics
+from . import metrics, scoring
 from . import results as res
 from .config import Progress, RunConfig, RunError, RunInterrupted, check_inputs
 from .data import CorpusError, load_corpus
-from .measure import REFERENCE, _hidden, _logprobs, cache_nbytes, make_cache, steps, store_prefill
+from .measure import REFERENCE, _hidden, cache_nbytes, make_cache, steps, store_prefill
 from .schemes import EvalScheme, scheme_label
 
 __all__ = [
@@ -225,7 +225,7 @@ def score_probe(
     answer = list(probe.answer_ids)
     total, greedy = 0.0, []
     for i, tok in enumerate(answer):
-        lp = _logprobs(model, hidden[0, -1])  # (vocab,)
+        lp = torch.log_softmax(scoring.logits(model, hidden[0, -1]), dim=-1)  # (vocab,)
         greedy.append(int(lp.argmax()))
         total += float(lp[tok])
         if i + 1 < len(answer):
@@ -611,6 +611,11 @@ def grid_tables(summary: list[dict], names: Mapping[str, str] | None = None) -> 
 # ------------------------------------------------------------------------------------------------- plots
 
 
+def _trials_per_cell(trials: int) -> str:
+    """`1 trial per cell`, `3 trials per cell`."""
+    return f"{trials} trial{'s' if trials != 1 else ''} per cell"
+
+
 def _slug(text: str) -> str:
     """A file-name part: `fp32 (reference)` -> `fp32-reference`."""
     return re.sub("-+", "-", "".join(c if c.isalnum() or c in "-._" else "-" for c in text)).strip("-")[:60]
@@ -693,8 +698,8 @@ def write_heatmaps(
         for scheme in dict.fromkeys(r["scheme"] for r in cells if r["mode"] == mode):
             name = names.get(scheme, scheme)
             title = (
-                f"{config_json['task']}: {name}, mode {mode}\n{model}, {config_json['trials']} trials per "
-                f"cell, {config_json['dtype']}" + partial
+                f"{config_json['task']}: {name}, mode {mode}\n{model}, "
+                f"{_trials_per_cell(config_json['trials'])}, {config_json['dtype']}" + partial
             )
             fig = plot_heatmap(summary, scheme, mode, title, lp_range)
             suffix = "" if len(modes) == 1 else f"-{mode}"
@@ -729,8 +734,8 @@ def _write_outputs(
         "",
         *partial,
         f"- filler text: {config_json['corpus']}; lengths {', '.join(map(str, config_json['lengths']))}; "
-        f"depths {', '.join(f'{d:g}' for d in config_json['depths'])}; {config_json['trials']} trials per "
-        f"cell (e.g. answer {config_json['example_answer']!r})",
+        f"depths {', '.join(f'{d:g}' for d in config_json['depths'])}; "
+        f"{_trials_per_cell(config_json['trials'])} (e.g. answer {config_json['example_answer']!r})",
         f"- mode(s): {config_json['mode']}; tokens per forward in cache mode: {chunks}",
         f"- reference `{names.get(REFERENCE, REFERENCE)}`: unquantized, computing in {config_json['dtype']}; "
         f"bytes at {config_json['kv_dtype']} K/V storage at the longest prompt",

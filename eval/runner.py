@@ -462,11 +462,11 @@ def _measure(
                 # reference chunked alike (its KL partner; its results.jsonl rows come from the first group)
                 for n, (chunk, group) in enumerate(_chunk_groups(config, base, todo)):
                     shift = noise_shift(chunk) if shifted else 0
-                    ref_hidden, key = None, None
+                    stored, key = None, None
                     if refs is not None:
                         key = refs.key(ids, dtype, steps(ids.shape[1], base, chunk, prefill, shift))
-                        ref_hidden = refs.load(key)
-                        if ref_hidden is not None:
+                        stored = refs.load(key)
+                        if stored is not None:
                             logger.info("reference of doc %d (%s) read from the reference cache", doc, mode)
                     evaluate_document(
                         model,
@@ -477,8 +477,8 @@ def _measure(
                         buckets=buckets,
                         prefill=prefill,
                         shift=shift,
-                        reference_hidden=ref_hidden,
-                        on_reference=(lambda h, key=key: refs.save(key, h)) if refs is not None else None,
+                        reference=stored,
+                        on_reference=(lambda r, key=key: refs.save(key, r)) if refs is not None else None,
                         on_bucket=_bucket_writer(results, tokens, mode, doc),
                         on_error=_error_writer(results, failed, mode, doc),
                         progress=bar.update if n == 0 else None,

@@ -10,7 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from kvquant.eval import metrics, wandb_logger
+from kvquant.eval import metrics, scoring, wandb_logger
 from kvquant.eval.config import RunConfig, RunError
 from kvquant.eval.measure import REFERENCE, evaluate_document, make_buckets, noise_shift, steps
 from kvquant.eval.runner import memory_of, run
@@ -119,28 +119,42 @@ def test_prefill_mode_prompt_is_fp_and_continuation_is_quantized(tiny_model, ids
 
 
 @pytest.mark.parametrize("mode", ["cache", "prefill"])
-def test_reference_hidden_reused_gives_the_same_numbers(tiny_model, ids, mode, monkeypatch):
+def test_reference_reused_gives_the_same_numbers(tiny_model, ids, mode, monkeypatch):
     kept = []
     kw = dict(prefill=64) if mode == "prefill" else {}
     live = _run(tiny_model, ids, ["int4-g32"], mode, on_reference=kept.append, **kw)
-    assert len(kept) == 1 and kept[0].shape[:2] == (1, LENGTH)
+    assert len(kept) == 1 and kept[0]["hidden"].shape[:2] == (1, LENGTH)
+    assert all(len(kept[0][f]) == LENGTH - 1 for f in scoring.STAT_FIELDS)
     from kvquant.eval import measure
 
-    calls = []
-    real = measure._hidden
+    calls, heads = [], []
+    real, real_logits = measure._hidden, scoring.logits
     monkeypatch.setattr(
         measure, "_hidden", lambda m, x, c: (calls.append(type(c).__name__), real(m, x, c))[1]
     )
-    reused = _run(tiny_model, ids, ["int4-g32"], mode, reference_hidden=kept[0], **kw)
+    monkeypatch.setattr(scoring, "logits", lambda m, h: (heads.append(len(h)), real_logits(m, h))[1])
+    resaved = []
+    reused = _run(tiny_model, ids, ["int4-g32"], mode, reference=kept[0], on_reference=resaved.append, **kw)
     assert "DynamicCache" not in calls or mode == "prefill"  # the reference forward is skipped
     # one forward per step for the scheme (in prefill mode the first through its own FP DynamicCache)
     assert len(calls) == len(steps(LENGTH, mode, 32, kw.get("prefill"))) - 1
-    for label in (REFERENCE, "int4-g32"):
-        for b, st in live[label].items():
-            assert reused[label][b].nll == pytest.approx(st.nll, rel=1e-9)
-            assert reused[label][b].kl == pytest.approx(st.kl, rel=1e-6, abs=1e-12)
-    with pytest.raises(ValueError, match="does not match"):
-        _run(tiny_model, ids, ["int8"], "cache", reference_hidden=kept[0][:, :10])
+    assert sum(heads) == LENGTH - 1  # the LM head runs for the scheme's predictions only
+    assert not resaved  # nothing new to store
+    # a file from before the statistics (hidden states only): they are computed once and handed back
+    heads.clear()
+    upgraded = _run(tiny_model, ids, ["int4-g32"], mode, reference={"hidden": kept[0]["hidden"]},
+                    on_reference=resaved.append, **kw)
+    assert sum(heads) == 2 * (LENGTH - 1) and len(resaved) == 1
+    for f in scoring.STAT_FIELDS:
+        assert torch.equal(resaved[0][f], kept[0][f])
+    for out in (reused, upgraded):
+        for label in (REFERENCE, "int4-g32"):
+            for b, st in live[label].items():
+                assert out[label][b].nll == pytest.approx(st.nll, rel=1e-9)
+                assert out[label][b].kl == pytest.approx(st.kl, rel=1e-6, abs=1e-12)
+                assert out[label][b].top1 == st.top1
+    with pytest.raises(ValueError, match="do not match"):
+        _run(tiny_model, ids, ["int8"], "cache", reference={"hidden": kept[0]["hidden"][:, :10]})
 
 
 def test_token_values_match_the_sums(tiny_model, ids):
