@@ -7,16 +7,19 @@ datasets or wandb are imported. `kvquant.eval.runner.run` repeats these checks f
 
 from __future__ import annotations
 
+import argparse
 import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import NoReturn
 
 __all__ = [
     "DEFAULT_CHUNK",
     "DEFAULT_DOCS",
     "DEFAULT_MAX_LENGTH",
     "DTYPE_NAMES",
+    "EXIT_USAGE",
     "KV_DTYPES",
     "MODES",
     "MODE_CHOICES",
@@ -31,6 +34,7 @@ __all__ = [
     "DEFAULT_DEPTHS",
     "DEFAULT_TRIALS",
     "check_inputs",
+    "script_parser",
     "parse_lengths",
     "parse_depths",
 ]
@@ -94,6 +98,22 @@ class RunInterrupted(KeyboardInterrupt):
             f"interrupted: {progress} measured and written to {run_dir}; rerun the same command to resume"
         )
         self.run_dir, self.progress = run_dir, progress
+
+
+EXIT_USAGE = 2  # as argparse: bad arguments or inputs, found before any long work
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line (the full usage is one --help away)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def script_parser(doc: str | None) -> argparse.ArgumentParser:
+    """The parser of an experiments/ script: its docstring as the help text, as written, and one-line usage
+    errors that exit with EXIT_USAGE."""
+    return _Parser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
 
 
 def _is_int(value: object) -> bool:

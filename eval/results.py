@@ -418,29 +418,41 @@ def _title(fig, what: str, info: PlotInfo | None) -> None:
     fig.suptitle("\n".join(lines), fontsize=11, color=color)
 
 
-def _band(row: dict) -> tuple[float, float] | None:
-    """The interval of a point's drift, if the summary carries one (drift_lo, drift_hi); else None."""
-    lo, hi = row.get("drift_lo"), row.get("drift_hi")
+def _num(v) -> float:
     try:
-        lo, hi = float(lo), float(hi)
+        v = float(v)
     except (TypeError, ValueError):
-        return None
-    return (lo, hi) if math.isfinite(lo) and math.isfinite(hi) else None
+        return math.nan
+    return v if math.isfinite(v) else math.nan
+
+
+def _band(row: dict, lo: str = "drift_lo", hi: str = "drift_hi") -> tuple[float, float] | None:
+    """The interval of a point (default: its drift's, drift_lo and drift_hi), if the summary carries one."""
+    a, b = _num(row.get(lo)), _num(row.get(hi))
+    return (a, b) if math.isfinite(a) and math.isfinite(b) else None
+
+
+def _positive(v: float) -> float:
+    return v if v > 0 else math.nan  # a log axis cannot show 0
 
 
 def plot_drift(summary: list[dict], info: PlotInfo | None = None, reference: str = "fp16"):
-    """Perplexity drift vs FP16 by position, one panel per mode on one y-scale; a shaded band where a point
-    has an interval (`drift_lo`, `drift_hi` in its summary row)."""
+    """Perplexity drift (top) and KL (bottom: mean, dashed p99) vs the reference by position (the axis and
+    title name it: `info.name(reference)`), one column per mode, log-x; a shaded band where a point has an
+    interval (`drift_lo`/`drift_hi`, `kl_lo`/`kl_hi` in its summary row)."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
 
     info = info or PlotInfo("", "", 0, 0, "")
+    ref_name = info.name(reference)  # e.g. "fp32 (reference)" when the run computes in float32
     modes = _shown_modes(summary) or ["cache"]
     fig, axes = plt.subplots(
-        1, len(modes), figsize=(6.5 * len(modes), 5.0), squeeze=False, sharey=True, layout="constrained"
+        2, len(modes), figsize=(6.5 * len(modes), 8.6), squeeze=False, sharey="row", sharex="col",
+        layout="constrained", height_ratios=(1.2, 1.0),
     )
     ticks: set[int] = set()
-    for ax, mode in zip(axes[0], modes, strict=True):
+    for col, mode in enumerate(modes):
+        ax, kax = axes[0][col], axes[1][col]
         rows = [r for r in summary if r["mode"] == mode and r["bucket"] != "all" and r["scheme"] != reference]
         has_band = False
         for scheme in dict.fromkeys(r["scheme"] for r in rows):
@@ -448,27 +460,34 @@ def plot_drift(summary: list[dict], info: PlotInfo | None = None, reference: str
             xs = [x for x, _ in pts]
             ticks.update(xs)
             (line,) = ax.plot(xs, [100 * r["drift"] for _, r in pts], marker="o", label=info.name(scheme))
-            bands = [_band(r) for _, r in pts]
-            if any(bands):
-                has_band = True
-                lo = [100 * b[0] if b else math.nan for b in bands]
-                hi = [100 * b[1] if b else math.nan for b in bands]
-                ax.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.2, linewidth=0)
-        ax.set_xscale("log", base=2)
+            color = line.get_color()
+            kax.plot(xs, [_positive(_num(r.get("kl"))) for _, r in pts], marker="o", color=color)
+            kax.plot(xs, [_positive(_num(r.get("kl_p99"))) for _, r in pts], ls="--", lw=1, color=color)
+            for target, (lo, hi), scale in ((ax, ("drift_lo", "drift_hi"), 100), (kax, ("kl_lo", "kl_hi"), 1)):
+                bands = [_band(r, lo, hi) for _, r in pts]
+                if any(bands):
+                    has_band = True
+                    target.fill_between(
+                        xs, [scale * b[0] if b else math.nan for b in bands],
+                        [scale * b[1] if b else math.nan for b in bands], color=color, alpha=0.2, linewidth=0,
+                    )
         ax.axhline(0, color="grey", lw=0.8)
-        ax.set_xlabel("position (end of bucket, tokens)")
-        ax.grid(alpha=0.3)
+        kax.set_xlabel("position (end of bucket, tokens)")
         chunk = f", chunk {info.chunk:,}" if mode == "cache" and info.chunk else ""
         ax.set_title(f"mode: {mode}{chunk}", fontsize=10)
         if rows:
             ax.legend(fontsize=8, title="shaded: interval" if has_band else None, title_fontsize=8)
-    axes[0][0].set_ylabel("perplexity drift vs FP16 (%)")
-    for ax in axes[0]:
+            kax.set_yscale("log")
+    axes[0][0].set_ylabel(f"perplexity drift vs {ref_name} (%)")
+    axes[1][0].set_ylabel(f"KL({ref_name} || scheme), nats\nper token: mean (dashed: p99)")
+    for ax in (a for row in axes for a in row):
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(FixedLocator(sorted(ticks)))
         ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: position_label(x)))
         ax.xaxis.set_minor_locator(NullLocator())
         ax.tick_params(labelsize=9)
-    _title(fig, "Perplexity drift vs FP16 by position", info)
+    _title(fig, f"Perplexity drift and KL vs {ref_name} by position", info)
     return fig
 
 

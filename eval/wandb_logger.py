@@ -104,6 +104,7 @@ def log_run(run_dir: Path, mode: str, project: str | None = None, group: str | N
         by_pair.setdefault((r["scheme"], r["mode"]), []).append(r)
     pairs = list(by_pair)
     reference = config.get("reference", "fp16")
+    ref_name = config.get("scheme_names", {}).get(reference, reference)  # e.g. "fp32 (reference)" on the CPU
     multi_mode = len({m for _, m in pairs}) > 1
 
     def label(pair: tuple[str, str]) -> str:
@@ -139,7 +140,8 @@ def log_run(run_dir: Path, mode: str, project: str | None = None, group: str | N
         if lines:
             charts["drift_vs_length"] = wandb.plot.line_series(
                 xs=[[x for x, _ in pts] for _, pts in lines], ys=[[y for _, y in pts] for _, pts in lines],
-                keys=[key for key, _ in lines], title="PPL drift vs FP16 by sequence length", xname="tokens")
+                keys=[key for key, _ in lines], title=f"PPL drift vs {ref_name} by sequence length",
+                xname="tokens")
         bars: dict[str, float] = {}
         for p in pairs:  # bytes held at the full length at the storage dtype, else the steady-state formula
             w = whole(p)

@@ -21,22 +21,16 @@ from collections.abc import Sequence
 
 # Light imports only until the arguments are checked (as experiments/run.py): a bad spec, model path or corpus
 # is reported at once; torch and transformers come after.
-from kvquant.eval.config import RunError, check_model_path
+from kvquant.eval.config import EXIT_USAGE, RunError, check_model_path, script_parser
 
 from kvquant.scheme import SchemeError, parse_spec
 
-EXIT_USAGE = 2
 K_CANDIDATES = "int4-g64,int4-g64-center,int4-g64-rot,int4-g64-center-rot,int4-channel-g64,int4-g64-out1"
 V_CANDIDATES = "int4-g64,int4-g64-center,int4-g64-rot,int4-g64-out1"
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument(
         "--model", default=None, help="local HF model folder or .gguf file (default: embedded SmolLM2)"
     )

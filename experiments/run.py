@@ -23,6 +23,7 @@ from kvquant.eval.config import (
     DEFAULT_CHUNK,
     DEFAULT_DOCS,
     DEFAULT_MAX_LENGTH,
+    EXIT_USAGE,
     MODE_CHOICES,
     TASKS,
     WANDB_MODES,
@@ -32,25 +33,18 @@ from kvquant.eval.config import (
     check_inputs,
     parse_depths,
     parse_lengths,
+    script_parser,
 )
 
 logger = logging.getLogger("kvquant.run")
 
 QUICK = {"max_length": 1024, "chunk": 256, "docs": 1}
 QUICK_RETRIEVAL = {"lengths": "256,512", "depths": "0,0.5,1", "trials": 2}
-EXIT_USAGE = 2  # as argparse: bad arguments or inputs, found before any long work
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line (the full usage is one --help away)."""
-
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument(
         "--scheme", action="append", default=[], help="a scheme string (repeatable); see --list-schemes"
     )

@@ -18,11 +18,11 @@ import sys
 from collections.abc import Sequence
 
 # Light imports only until the arguments are checked (no torch): the simulation module imports torch lazily.
+from kvquant.eval.config import EXIT_USAGE, script_parser
 from kvquant.eval.serve import WANDB_MODES, ServeConfig, ServeError, check_config
 
 logger = logging.getLogger("kvquant.serve")
 
-EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
 QUICK = dict(
     schemes=("fp16", "int4-g64"),
@@ -35,14 +35,9 @@ QUICK = dict(
 )
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
     d = ServeConfig()
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--scheme", action="append", default=[], help="a scheme (repeatable)")
     p.add_argument("--schemes", default="", help=f"comma-separated schemes (default {','.join(d.schemes)})")
     p.add_argument("--requests", type=int, default=None, help=f"requests (default {d.requests})")

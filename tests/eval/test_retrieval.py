@@ -16,6 +16,7 @@ from kvquant.eval import metrics
 from kvquant.eval.config import RunConfig, RunError
 from kvquant.eval.measure import REFERENCE
 from kvquant.eval.retrieval import (
+    _trials_per_cell,
     cell_label,
     filler_tokens,
     make_probe,
@@ -131,6 +132,10 @@ def test_summary_pairs_points_with_the_reference():
     assert metrics.format_value("answer_logprob_delta", -1.0) == "−1.00"
 
 
+def test_trials_per_cell_is_plural_past_one():
+    assert _trials_per_cell(1) == "1 trial per cell" and _trials_per_cell(3) == "3 trials per cell"
+
+
 def test_config_checks():
     with pytest.raises(RunError, match="unknown task"):
         RunConfig(schemes=("int8",), task="haystack")
@@ -201,6 +206,7 @@ def test_retrieval_run_directory_and_resume(tmp_path, tiny_model, tokenizer, tin
     assert float(int8["saving"]) > 1.5
     report = (run_dir / "report.md").read_text()
     assert "| `int2-g32` |" in report and "![heatmap-int8](heatmap-int8.png)" in report
+    assert "; 2 trials per cell (e.g. answer" in report
     config_json = json.loads((run_dir / "config.json").read_text())
     assert config_json["identity"]["lengths"] == [160, 256] and config_json["chunks"]["int8"] == 64
 

@@ -255,14 +255,15 @@ def test_split_schemes_and_list(capsys):
 
 
 def _summary_rows(with_band: bool) -> list[dict]:
-    """Two modes, two schemes and the reference, buckets up to 32k; optional intervals on the drift."""
+    """Two modes, two schemes and the reference, buckets up to 32k; optional intervals on drift and KL."""
     rows = []
     ends = [256, 512, 1024, 2048, 4096, 8192, 16384, 32768]
     for scheme, k in (("fp16", 0.0), ("int4-g64", 0.01), ("k=int2-channel-g32,v=int2-g32,window=128", 0.05)):
         for mode, scale in (("cache", 1.0), ("fake", 3.0)):
             for start, end in zip([0, *ends[:-1]], ends, strict=True):
                 d = k * scale * end.bit_length()
-                band = dict(drift_lo=d - k, drift_hi=d + k) if with_band else {}
+                kl = k * end / 1e4
+                band = dict(drift_lo=d - k, drift_hi=d + k, kl_lo=kl / 2, kl_hi=kl * 2) if with_band else {}
                 rows.append(
                     dict(
                         scheme=scheme,
@@ -271,6 +272,8 @@ def _summary_rows(with_band: bool) -> list[dict]:
                         bucket_start=start,
                         bucket_end=end,
                         drift=d,
+                        kl=kl,
+                        kl_p99=10 * kl,
                         **band,
                     )
                 )
@@ -311,16 +314,39 @@ def test_drift_plot_stands_alone():
     title = fig._suptitle.get_text()
     assert "smollm2-135m-instruct · shakespeare · 4 documents × 32,768 tokens · float32" in title
     assert "PARTIAL: 9 of 48 points measured" in title
-    a, b = fig.axes
+    a, b, ka, kb = fig.axes  # drift on top, KL below; one column per mode
     assert a.get_title() == "mode: cache, chunk 1,024" and b.get_title() == "mode: fake"
     assert a.get_ylim() == b.get_ylim() and a.get_shared_y_axes().joined(a, b)  # one y-scale for both modes
+    assert ka.get_yscale() == "log" and ka.get_shared_y_axes().joined(ka, kb) and a.get_xscale() == "log"
+    assert ka.get_ylabel().startswith("KL(fp16 (reference) || scheme)")
+    means = [ln for ln in ka.get_lines() if ln.get_linestyle() == "-"]
+    assert len(means) == 2 and len(ka.get_lines()) == 4  # mean and dashed p99 per scheme, no reference
+    assert list(means[0].get_ydata()) == pytest.approx([0.01 * e / 1e4 for e in (256, 512, 1024, 2048, 4096,
+                                                                                   8192, 16384, 32768)])
+    assert len(ka.collections) == 2  # the KL intervals
     fig.canvas.draw()
-    ticks = [t.get_text() for t in a.get_xticklabels()]
+    ticks = [t.get_text() for t in ka.get_xticklabels()]  # the columns share x; labelled at the bottom
     assert ticks == ["256", "512", "1k", "2k", "4k", "8k", "16k", "32k"]
     assert [t.get_text() for t in a.get_legend().get_texts()] == ["int4-g64", "kivi-2"]  # preset name
     assert len(a.collections) == 2  # one interval band per scheme
     plain = res.plot_drift(_summary_rows(with_band=False), INFO)
     assert len(plain.axes[0].collections) == 0 and "PARTIAL" not in plain._suptitle.get_text()
+
+
+def test_drift_plot_names_its_reference():
+    """The y-axis and title name the run's reference as config.json's scheme_names does (fp32 on the CPU)."""
+    import dataclasses
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    fig = res.plot_drift(_summary_rows(with_band=False), INFO)
+    assert fig.axes[0].get_ylabel() == "perplexity drift vs fp16 (reference) (%)"
+    fp32 = dataclasses.replace(INFO, names={**INFO.names, "fp16": "fp32 (reference)"})
+    fig = res.plot_drift(_summary_rows(with_band=False), fp32)
+    assert fig.axes[0].get_ylabel() == "perplexity drift vs fp32 (reference) (%)"
+    assert fig._suptitle.get_text().startswith("Perplexity drift and KL vs fp32 (reference) by position\n")
+    assert "FP16" not in fig._suptitle.get_text()
 
 
 def test_bytes_plot_stands_alone():

@@ -36,6 +36,8 @@ def make_run_dir(root: Path) -> Path:
         "max_length": 1024,
         "documents": [{"id": 0, "title": "Anarchism", "tokens": 1024}],
         "versions": {"kvquant": "0.1.0", "torch": "2.13.0"},
+        "reference": "fp16",
+        "scheme_names": {"fp16": "fp32 (reference)"},  # a run computing in float32, as on the CPU
     }
     (run_dir / "config.json").write_text(json.dumps(config))
     with open(run_dir / "summary.csv", "w", newline="") as f:
@@ -183,6 +185,7 @@ def test_offline_writes_one_run_per_scheme_and_a_comparison(tmp_path, wandb_env,
     logs = b"".join(p.read_bytes() for p in media.rglob("run-*.wandb"))
     assert re.search(rb"all/drift[^0-9a-z]{1,6}0\.4(?![0-9])", logs)  # int2-g32's whole-document drift
     assert b"seq_len" in logs and b"kvq-test" in logs
+    assert b"PPL drift vs fp32 (reference) by sequence length" in logs  # the reference by its name
 
 
 def test_under_a_sweep_agent_one_run_holds_the_swept_scheme_and_the_charts(tmp_path, wandb_env, init_spy,
