@@ -463,7 +463,8 @@ def plot_drift(summary: list[dict], info: PlotInfo | None = None, reference: str
             color = line.get_color()
             kax.plot(xs, [_positive(_num(r.get("kl"))) for _, r in pts], marker="o", color=color)
             kax.plot(xs, [_positive(_num(r.get("kl_p99"))) for _, r in pts], ls="--", lw=1, color=color)
-            for target, (lo, hi), scale in ((ax, ("drift_lo", "drift_hi"), 100), (kax, ("kl_lo", "kl_hi"), 1)):
+            bands_of = ((ax, ("drift_lo", "drift_hi"), 100), (kax, ("kl_lo", "kl_hi"), 1))
+            for target, (lo, hi), scale in bands_of:
                 bands = [_band(r, lo, hi) for _, r in pts]
                 if any(bands):
                     has_band = True
@@ -552,4 +553,6 @@ def provenance_lines(config_json: dict, progress) -> list[str]:
     and package versions."""
     failed = f" ({progress.failed} not measured: scheme failed)" if progress.failed else ""
     versions = ", ".join(f"{k} {v}" for k, v in config_json["versions"].items())
-    return [f"- points measured: {progress}{failed}", f"- git {config_json['git_commit']}; {versions}"]
+    resumed = config_json.get("resumed_git_commits")
+    git = config_json["git_commit"] + (f" (resumed at {', '.join(resumed)})" if resumed else "")
+    return [f"- points measured: {progress}{failed}", f"- git {git}; {versions}"]

@@ -231,11 +231,21 @@ def _select_documents(
 
 def _prepare_dir(run_dir: Path, config_json: dict, identity: dict, force: bool) -> None:
     """Resume a run of the same configuration; refuse another one, or a folder that is not a run, unless
-    force, which always starts over (also over a run of the same configuration)."""
+    force, which always starts over (also over a run of the same configuration). On resume config_json keeps
+    the run's first commit and creation time, and lists in `resumed_git_commits` any other commit that
+    resumed it (the report prints both)."""
     cfg_path = run_dir / "config.json"
     if cfg_path.is_file() and not force:
         old = json.loads(cfg_path.read_text())
         if old.get("identity") == identity:
+            now = config_json.get("git_commit")
+            resumed = list(old.get("resumed_git_commits", []))
+            if now not in (old.get("git_commit"), *resumed):
+                resumed.append(now)
+            config_json.update(git_commit=old.get("git_commit"), created=old.get("created"))
+            if resumed:
+                config_json["resumed_git_commits"] = resumed
+            _write_json(cfg_path, config_json)
             return  # resume
         if not force:
             raise RunError(
@@ -251,9 +261,13 @@ def _prepare_dir(run_dir: Path, config_json: dict, identity: dict, force: bool) 
         logger.warning("--force: replacing %s", run_dir)
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cfg_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(config_json, indent=2, default=str))
-    tmp.replace(cfg_path)
+    _write_json(cfg_path, config_json)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(path)
 
 
 def _diff(a: dict, b: dict) -> str:

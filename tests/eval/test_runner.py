@@ -118,8 +118,16 @@ def test_resume_after_interruption(
     monkeypatch.setattr(
         res.ResultsFile, "append", lambda self, row: (written.append(row), real_append(self, row))
     )
+    first = json.loads((tmp_path / "r" / "config.json").read_text())
+    import kvquant.eval.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "_git_commit", lambda: "b" * 40)  # resumed by a later commit
     with caplog.at_level(logging.INFO, logger="kvquant.eval.runner"):
         _, summary = run(config, model=tiny_model, tokenizer=tokenizer)
+    again = json.loads((tmp_path / "r" / "config.json").read_text())
+    assert again["git_commit"] == first["git_commit"] and again["created"] == first["created"]
+    assert again["resumed_git_commits"] == ["b" * 40]
+    assert f"(resumed at {'b' * 40})" in (tmp_path / "r" / "report.md").read_text()
     said = caplog.text
     assert "resuming: 6 of 24 points already measured in" in said
     assert "18 to measure in 3 document(s)" in said and "0 of them were cut off" in said
