@@ -1,6 +1,5 @@
 """Diagnose a model's K/V for quantization: per layer, for K and V, the offset-to-spread ratio, outlier
-channels,
-kurtosis and the SQNR of candidate specs; then a recommended scheme.
+channels, kurtosis and the SQNR of candidate specs; then a recommended scheme.
 
     python experiments/diagnose.py                       # the default model, 512 tokens of calibration text
     python experiments/diagnose.py --model path/to/qwen2 --tokens 1024 --json diag.json
