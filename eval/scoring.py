@@ -80,11 +80,16 @@ class ReferenceSlice:
         return {f: getattr(self, f).detach().to("cpu", copy=True) for f in STAT_FIELDS}
 
 
-def reference_slice(model, hidden: torch.Tensor, targets: torch.Tensor) -> ReferenceSlice:
-    """The reference at t positions: their last hidden states (t, hidden) and next tokens targets (t,)."""
+def _head(model, hidden: torch.Tensor, targets: torch.Tensor):
+    """Logits (t, V), their log-sum-exp (t,) and -log p(target) (t,) float64 of hidden states (t, hidden)."""
     z = logits(model, hidden)  # (t, V)
     lse = torch.logsumexp(z, dim=-1)  # (t,)
-    nll = lse.double() - z.gather(-1, targets[:, None])[:, 0].double()
+    return z, lse, lse.double() - z.gather(-1, targets[:, None])[:, 0].double()
+
+
+def reference_slice(model, hidden: torch.Tensor, targets: torch.Tensor) -> ReferenceSlice:
+    """The reference at t positions: their last hidden states (t, hidden) and next tokens targets (t,)."""
+    z, lse, nll = _head(model, hidden, targets)
     top = z.argmax(-1)
     w = head_weight(model)
     if w is None:
@@ -106,9 +111,7 @@ def score(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A scheme's -log q(target) (t,) float64, KL(p_ref || q) (t,) float64 (clamped at 0: rounding may dip
     below) and whether its argmax equals the reference's (t,) bool, from its hidden states (t, hidden)."""
-    z = logits(model, hidden)  # (t, V)
-    lse = torch.logsumexp(z, dim=-1)  # (t,)
-    nll = lse.double() - z.gather(-1, targets[:, None])[:, 0].double()
+    z, lse, nll = _head(model, hidden, targets)
     agree = z.argmax(-1) == ref.top
     if ref.mean_row is not None:
         delta = ref.hidden.double() - hidden.double()  # (t, hidden)
