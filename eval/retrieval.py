@@ -23,7 +23,9 @@ also compared with it (same greedy tokens, Δ log p), which matters when the mod
 
 Results follow the perplexity job's run-directory conventions (config.json, results.jsonl flushed per point,
 summary.csv, report.md, plots: `heatmap-<scheme>.png`, depth x length), and reruns resume. A point's
-results.jsonl key is (scheme, mode, doc = trial, bucket = `L<length>-d<depth>`).
+results.jsonl key is (scheme, mode, doc = trial, bucket = `L<length>-d<depth>`). The grid is not part of a
+run's identity: rerunning into the same directory with other lengths, depths or trials measures only the new
+points, and the report covers the union of the grids (a 16k-32k run grown by 2k-8k is one 2k-32k table).
 """
 
 from __future__ import annotations
@@ -113,6 +115,46 @@ class Probe:
 
 def cell_label(length: int, depth: float) -> str:
     return f"L{length}-d{depth:g}"
+
+
+@dataclass(frozen=True)
+class Grid:
+    """A retrieval run's grid: prompt lengths x key depths x trials per cell."""
+
+    lengths: tuple[int, ...]
+    depths: tuple[float, ...]
+    trials: int
+
+    @classmethod
+    def of(cls, config: RunConfig) -> Grid:
+        return cls(tuple(config.grid_lengths), tuple(config.grid_depths), config.grid_trials)
+
+    def cells(self) -> list[tuple[int, float, int]]:
+        """(length, depth, trial), shortest prompts first."""
+        return [(L, d, t) for L in self.lengths for d in self.depths for t in range(self.trials)]
+
+    def union(self, other: Grid) -> Grid:
+        return Grid(
+            tuple(sorted({*self.lengths, *other.lengths})),
+            tuple(sorted({*self.depths, *other.depths})),
+            max(self.trials, other.trials),
+        )
+
+    def flags(self) -> str:
+        """The run.py flags that request this grid."""
+        depths = ",".join(f"{d:g}" for d in self.depths)
+        return f"--lengths {','.join(map(str, self.lengths))} --depths {depths} --trials {self.trials}"
+
+
+GRID_KEYS = ("lengths", "depths", "trials")  # in config.json, not in the identity: a run's grid may grow
+
+
+def _grid_of(config_json: Mapping) -> Grid:
+    return Grid(
+        tuple(int(L) for L in config_json["lengths"]),
+        tuple(float(d) for d in config_json["depths"]),
+        int(config_json["trials"]),
+    )
 
 
 @dataclass(frozen=True)
@@ -251,9 +293,6 @@ def _identity(config: RunConfig, schemes, model_name: str) -> dict:
         "model": model_name,
         "corpus": config.corpus,
         "modes": list(config.modes),
-        "lengths": list(config.grid_lengths),
-        "depths": list(config.grid_depths),
-        "trials": config.grid_trials,
         "seed": config.seed,
         "dtype": config.dtype_name,
     }
@@ -266,7 +305,26 @@ def run_dir_for(config: RunConfig, identity: dict) -> Path:
 
     digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
     model = _slug(Path(identity["model"]).name)
-    return Path("runs") / f"{model}-{config.task}-{config.mode}-L{max(config.grid_lengths)}-{digest}"
+    return Path("runs") / f"{model}-{config.task}-{config.mode}-{digest}"
+
+
+def _grown_grid(run_dir: Path, identity: dict, requested: Grid, force: bool) -> Grid:
+    """The requested grid grown by the one `run_dir` already holds when it holds the same run (the same
+    identity, the grid aside); else the requested grid."""
+    cfg = run_dir / "config.json"
+    if force or not cfg.is_file():
+        return requested
+    try:
+        old = json.loads(cfg.read_text())
+        held = _grid_of(old)
+    except (OSError, ValueError, KeyError, TypeError):
+        return requested  # not a retrieval run: _prepare_dir refuses it
+    if {k: v for k, v in old.get("identity", {}).items() if k not in GRID_KEYS} != identity:
+        return requested  # another run: _prepare_dir refuses it
+    grown = requested.union(held)
+    if grown != requested:
+        logger.info("%s holds %s; the run's grid grows to %s", run_dir, held.flags(), grown.flags())
+    return grown
 
 
 def run_retrieval(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[dict]]:
@@ -282,23 +340,24 @@ def run_retrieval(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Pat
     model, tokenizer, model_name = runner._load_model(config, model, tokenizer)
     _check_lengths(config, model, schemes)
     filler = filler_tokens(tokenizer, config.corpus)
+    requested = Grid.of(config)
     probes = {
         (L, d, t): make_probe(config.task, tokenizer, filler, L, d, t, config.seed)
-        for L in config.grid_lengths
-        for d in config.grid_depths
-        for t in range(config.grid_trials)
+        for L, d, t in requested.cells()
     }
     identity = _identity(config, schemes, model_name)
     run_dir = run_dir_for(config, identity)
-    config_json = _config_json(config, identity, schemes, model, probes)
-    runner._prepare_dir(run_dir, config_json, identity, config.force)
+    grid = _grown_grid(run_dir, identity, requested, config.force)
+    config_json = _config_json(config, identity, grid, schemes, probes)
+    runner._prepare_dir(run_dir, config_json, identity, config.force, ignore=GRID_KEYS)
     results = res.ResultsFile(run_dir / "results.jsonl")
-    points = _points(config, schemes)
+    points = _points(requested, config.modes, schemes)
     done = sum(results.has(*p) for p in points)
     if done:
         logger.info("resuming: %d of %d points already measured in %s", done, len(points), run_dir)
     else:
         logger.info("measuring %d points (%s) into %s", len(points), config.task, run_dir)
+    points = _points(grid, config.modes, schemes)  # progress is over the run's whole grid
     torch.manual_seed(config.seed)
     interrupted = False
     t0 = time.perf_counter()
@@ -333,15 +392,13 @@ def _check_lengths(config: RunConfig, model, schemes) -> None:
     _check_model_fits(dataclasses.replace(config, max_length=min(config.max_length, longest)), model, schemes)
 
 
-def _points(config: RunConfig, schemes) -> list[tuple]:
+def _points(grid: Grid, modes: Sequence[str], schemes) -> list[tuple]:
     from .runner import _runs_in
 
     return [
         (label, mode, t, cell_label(L, d))
-        for mode in config.modes
-        for L in config.grid_lengths
-        for d in config.grid_depths
-        for t in range(config.grid_trials)
+        for mode in modes
+        for L, d, t in grid.cells()
         for label in [REFERENCE, *(scheme_label(s) for s in _runs_in(mode, schemes))]
     ]
 
@@ -412,7 +469,7 @@ def _row(label: str, mode: str, probe: Probe, out: Outcome, chunk: int, seconds:
     }
 
 
-def _config_json(config: RunConfig, identity: dict, schemes, model, probes: dict) -> dict:
+def _config_json(config: RunConfig, identity: dict, grid: Grid, schemes, probes: dict) -> dict:
     from .runner import _git_commit, _versions, display_names
 
     example = probes[min(probes)]
@@ -427,9 +484,9 @@ def _config_json(config: RunConfig, identity: dict, schemes, model, probes: dict
         "mode": config.mode,
         "chunk": config.chunk,
         "chunks": identity["chunks"],
-        "lengths": identity["lengths"],
-        "depths": identity["depths"],
-        "trials": identity["trials"],
+        "lengths": list(grid.lengths),
+        "depths": list(grid.depths),
+        "trials": grid.trials,
         "seed": config.seed,
         "device": config.device,
         "dtype": identity["dtype"],
@@ -611,8 +668,13 @@ def grid_tables(summary: list[dict], names: Mapping[str, str] | None = None) -> 
 # ------------------------------------------------------------------------------------------------- plots
 
 
-def _trials_per_cell(trials: int) -> str:
-    """`1 trial per cell`, `3 trials per cell`."""
+def _trials_per_cell(trials: int, summary: Sequence[dict] = ()) -> str:
+    """`1 trial per cell`, `3 trials per cell`; `1-3 trials per cell` where the summary's cells differ (a grid
+    grown by more trials in some cells)."""
+    counts = sorted({int(r["trials"]) for r in summary if r["length"] != "all" and r["depth"] != "all"})
+    if len(counts) > 1:
+        return f"{counts[0]}-{counts[-1]} trials per cell"
+    trials = counts[0] if counts else trials
     return f"{trials} trial{'s' if trials != 1 else ''} per cell"
 
 
@@ -699,7 +761,7 @@ def write_heatmaps(
             name = names.get(scheme, scheme)
             title = (
                 f"{config_json['task']}: {name}, mode {mode}\n{model}, "
-                f"{_trials_per_cell(config_json['trials'])}, {config_json['dtype']}" + partial
+                f"{_trials_per_cell(config_json['trials'], summary)}, {config_json['dtype']}" + partial
             )
             fig = plot_heatmap(summary, scheme, mode, title, lp_range)
             suffix = "" if len(modes) == 1 else f"-{mode}"
@@ -725,7 +787,8 @@ def _write_outputs(
         plots = []
     chunks = ", ".join(f"`{names.get(k, k)}` {v}" for k, v in config_json["chunks"].items())
     partial = (
-        [f"**partial: {progress} measured** (interrupted; rerun the same command to resume)", ""]
+        [f"**partial: {progress} of the grid measured** (rerun with `{_grid_of(config_json).flags()}` "
+         "to measure the rest)", ""]
         if not progress.complete
         else []
     )
@@ -735,7 +798,7 @@ def _write_outputs(
         *partial,
         f"- filler text: {config_json['corpus']}; lengths {', '.join(map(str, config_json['lengths']))}; "
         f"depths {', '.join(f'{d:g}' for d in config_json['depths'])}; "
-        f"{_trials_per_cell(config_json['trials'])} (e.g. answer {config_json['example_answer']!r})",
+        f"{_trials_per_cell(config_json['trials'], summary)} (e.g. answer {config_json['example_answer']!r})",
         f"- mode(s): {config_json['mode']}; tokens per forward in cache mode: {chunks}",
         f"- reference `{names.get(REFERENCE, REFERENCE)}`: unquantized, computing in {config_json['dtype']}; "
         f"bytes at {config_json['kv_dtype']} K/V storage at the longest prompt",

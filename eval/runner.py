@@ -229,15 +229,19 @@ def _select_documents(
     return chosen, ids, [docs[i].title for i in chosen]
 
 
-def _prepare_dir(run_dir: Path, config_json: dict, identity: dict, force: bool) -> None:
+def _prepare_dir(
+    run_dir: Path, config_json: dict, identity: dict, force: bool, ignore: tuple[str, ...] = ()
+) -> None:
     """Resume a run of the same configuration; refuse another one, or a folder that is not a run, unless
     force, which always starts over (also over a run of the same configuration). On resume config_json keeps
     the run's first commit and creation time, and lists in `resumed_git_commits` any other commit that
-    resumed it (the report prints both)."""
+    resumed it (the report prints both). `ignore`: keys of a stored identity that no longer belong to it
+    (a retrieval grid, which a run may grow)."""
     cfg_path = run_dir / "config.json"
     if cfg_path.is_file() and not force:
         old = json.loads(cfg_path.read_text())
-        if old.get("identity") == identity:
+        old_identity = {k: v for k, v in old.get("identity", {}).items() if k not in ignore}
+        if old_identity == identity:
             now = config_json.get("git_commit")
             resumed = list(old.get("resumed_git_commits", []))
             if now not in (old.get("git_commit"), *resumed):
@@ -250,7 +254,7 @@ def _prepare_dir(run_dir: Path, config_json: dict, identity: dict, force: bool) 
         if not force:
             raise RunError(
                 f"{run_dir} holds a run with a different configuration "
-                f"({_diff(old.get('identity', {}), identity)});"
+                f"({_diff(old_identity, identity)});"
                 " pass --force to replace it, or --out to write elsewhere"
             )
     elif run_dir.exists() and any(run_dir.iterdir()) and not force:

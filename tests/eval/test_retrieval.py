@@ -208,12 +208,50 @@ def test_retrieval_run_directory_and_resume(tmp_path, tiny_model, tokenizer, tin
     assert "| `int2-g32` |" in report and "![heatmap-int8](heatmap-int8.png)" in report
     assert "; 2 trials per cell (e.g. answer" in report
     config_json = json.loads((run_dir / "config.json").read_text())
-    assert config_json["identity"]["lengths"] == [160, 256] and config_json["chunks"]["int8"] == 64
+    assert config_json["lengths"] == [160, 256] and config_json["chunks"]["int8"] == 64
+    assert "lengths" not in config_json["identity"]  # the grid may grow
 
     caplog.set_level("INFO", logger="kvquant.eval.retrieval")
     run(config, model=tiny_model, tokenizer=tokenizer)  # resumes: nothing measured twice
     assert len((run_dir / "results.jsonl").read_text().splitlines()) == len(lines)
     assert "resuming: 24 of 24 points" in caplog.text
+
+
+def test_a_retrieval_grid_grows_in_its_run_directory(tmp_path, tiny_model, tokenizer, tiny_corpus, caplog):
+    """A run grown by another length measures only that length's points; the report covers the union, says
+    which flags would fill the union's cross product, and a directory from before (grid in the identity)
+    still resumes."""
+    config = RunConfig(
+        schemes=("int8",), task="passkey", corpus=str(tiny_corpus), lengths=(160,), depths=(0.0, 1.0),
+        trials=2, chunk=64, out=str(tmp_path / "run"),
+    )  # fmt: skip
+    run_dir, _ = run(config, model=tiny_model, tokenizer=tokenizer)
+    first = (run_dir / "results.jsonl").read_text().splitlines()
+    assert len(first) == 2 * 2 * 2  # (reference + int8) x depths x trials
+    # a directory written before the grid left the identity: its identity holds the grid
+    cfg = json.loads((run_dir / "config.json").read_text())
+    cfg["identity"] |= {"lengths": [160], "depths": [0.0, 1.0], "trials": 2}
+    (run_dir / "config.json").write_text(json.dumps(cfg))
+
+    caplog.set_level("INFO", logger="kvquant.eval.retrieval")
+    grown = dataclasses.replace(config, lengths=(256,), depths=(0.5,), trials=1)
+    _, summary = run(grown, model=tiny_model, tokenizer=tokenizer)
+    lines = (run_dir / "results.jsonl").read_text().splitlines()
+    assert lines[: len(first)] == first and len(lines) == len(first) + 2  # only L256-d0.5, trial 0
+    assert "the run's grid grows to --lengths 160,256 --depths 0,0.5,1 --trials 2" in caplog.text
+    cfg = json.loads((run_dir / "config.json").read_text())
+    assert (cfg["lengths"], cfg["depths"], cfg["trials"]) == ([160, 256], [0.0, 0.5, 1.0], 2)
+    cells = {(r["length"], r["depth"]) for r in summary if r["scheme"] == "int8" and r["depth"] != "all"}
+    assert cells == {(160, 0.0), (160, 1.0), (256, 0.5)}
+    report = (run_dir / "report.md").read_text()
+    assert "1-2 trials per cell" in report
+    # 3 of the union's 2 x 3 cells x 2 trials x 2 schemes = 24 points are measured
+    flags = "--lengths 160,256 --depths 0,0.5,1 --trials 2"
+    assert f"**partial: 10 of 24 points of the grid measured** (rerun with `{flags}` to measure" in report
+
+    other = dataclasses.replace(grown, schemes=("int2-g32",))  # another run: refused, as before
+    with pytest.raises(RunError, match="different configuration"):
+        run(other, model=tiny_model, tokenizer=tokenizer)
 
 
 def test_peer_runs_at_its_own_chunk_in_a_ppl_run(tmp_path, tiny_model, tokenizer, tiny_corpus, monkeypatch):
