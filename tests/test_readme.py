@@ -77,3 +77,16 @@ def test_readme_python_block_runs(line, code, no_network, capsys):
                 "the example quantizes nothing (make the prompt longer than sink + window)"
             )
         assert "saved" in printed, f"README.md:{line}: the example should print the bytes it saved"
+
+
+_RESULT_FILE = re.compile(r"(?:benchmarks/results|calib)/[\w.-]+\.(?:md|csv|png|json|safetensors)")
+
+
+def test_result_files_the_readme_cites_are_in_the_repository():
+    """A measured figure cites its file; the file must ship (benchmarks/results/ is ignored by default, so a
+    result added without `git add -f` would be cited and missing on a fresh checkout)."""
+    root = README.parent
+    cited = sorted(set(_RESULT_FILE.findall(README.read_text(encoding="utf-8"))))
+    assert len(cited) >= 5, cited
+    missing = [c for c in cited if not (root / c).is_file()]
+    assert not missing, f"README cites files that are not in the checkout: {missing}"
