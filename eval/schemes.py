@@ -91,7 +91,13 @@ class KVQuantScheme:
 
     @property
     def name(self) -> str:
-        return self.scheme.name or self.label
+        """What tables and plots show: the preset name, else the scheme; kvquant's unquantized scheme says
+        what it is, beside a reference that may itself be named `fp16`: `fp16 (unquantized, kvquant cache)`,
+        the reference's K/V held in kvquant's pages at the run dtype (counted at --kv-dtype, like every FP
+        token), so its row measures the paged cache path, not FP16 rounding."""
+        if self.scheme.name:
+            return self.scheme.name
+        return f"{self.scheme} (unquantized, kvquant cache)" if self.scheme.is_fp16 else self.label
 
     def __str__(self) -> str:
         return str(self.scheme)
