@@ -242,7 +242,7 @@ def format_report(diag: Diagnosis) -> str:
             "per-token "
             "key specs lose SQNR to them; channel-wise keys or -center recover it (see the table)."
         )
-    lines.append(f"Recommended (best mean SQNR near 4 bits): {diag.recommended}")
+    lines.append(f"Recommended (best mean SQNR of the candidates): {diag.recommended}")
     return "\n".join(lines)
 
 
