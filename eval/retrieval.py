@@ -129,6 +129,15 @@ class Grid:
     def of(cls, config: RunConfig) -> Grid:
         return cls(tuple(config.grid_lengths), tuple(config.grid_depths), config.grid_trials)
 
+    @classmethod
+    def stored(cls, config_json: Mapping) -> Grid:
+        """The grid a run directory's config.json records."""
+        return cls(
+            tuple(int(L) for L in config_json["lengths"]),
+            tuple(float(d) for d in config_json["depths"]),
+            int(config_json["trials"]),
+        )
+
     def cells(self) -> list[tuple[int, float, int]]:
         """(length, depth, trial), shortest prompts first."""
         return [(L, d, t) for L in self.lengths for d in self.depths for t in range(self.trials)]
@@ -147,14 +156,6 @@ class Grid:
 
 
 GRID_KEYS = ("lengths", "depths", "trials")  # in config.json, not in the identity: a run's grid may grow
-
-
-def _grid_of(config_json: Mapping) -> Grid:
-    return Grid(
-        tuple(int(L) for L in config_json["lengths"]),
-        tuple(float(d) for d in config_json["depths"]),
-        int(config_json["trials"]),
-    )
 
 
 @dataclass(frozen=True)
@@ -311,15 +312,17 @@ def run_dir_for(config: RunConfig, identity: dict) -> Path:
 def _grown_grid(run_dir: Path, identity: dict, requested: Grid, force: bool) -> Grid:
     """The requested grid grown by the one `run_dir` already holds when it holds the same run (the same
     identity, the grid aside); else the requested grid."""
+    from . import runner
+
     cfg = run_dir / "config.json"
     if force or not cfg.is_file():
         return requested
     try:
         old = json.loads(cfg.read_text())
-        held = _grid_of(old)
+        held = Grid.stored(old)
     except (OSError, ValueError, KeyError, TypeError):
         return requested  # not a retrieval run: _prepare_dir refuses it
-    if {k: v for k, v in old.get("identity", {}).items() if k not in GRID_KEYS} != identity:
+    if runner.stored_identity(old, GRID_KEYS) != identity:
         return requested  # another run: _prepare_dir refuses it
     grown = requested.union(held)
     if grown != requested:
@@ -351,12 +354,12 @@ def run_retrieval(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Pat
     config_json = _config_json(config, identity, grid, schemes, probes)
     runner._prepare_dir(run_dir, config_json, identity, config.force, ignore=GRID_KEYS)
     results = res.ResultsFile(run_dir / "results.jsonl")
-    points = _points(requested, config.modes, schemes)
-    done = sum(results.has(*p) for p in points)
+    asked = _points(requested, config.modes, schemes)
+    done = sum(results.has(*p) for p in asked)
     if done:
-        logger.info("resuming: %d of %d points already measured in %s", done, len(points), run_dir)
+        logger.info("resuming: %d of %d points already measured in %s", done, len(asked), run_dir)
     else:
-        logger.info("measuring %d points (%s) into %s", len(points), config.task, run_dir)
+        logger.info("measuring %d points (%s) into %s", len(asked), config.task, run_dir)
     points = _points(grid, config.modes, schemes)  # progress is over the run's whole grid
     torch.manual_seed(config.seed)
     interrupted = False
@@ -787,7 +790,7 @@ def _write_outputs(
         plots = []
     chunks = ", ".join(f"`{names.get(k, k)}` {v}" for k, v in config_json["chunks"].items())
     partial = (
-        [f"**partial: {progress} of the grid measured** (rerun with `{_grid_of(config_json).flags()}` "
+        [f"**partial: {progress} of the grid measured** (rerun with `{Grid.stored(config_json).flags()}` "
          "to measure the rest)", ""]
         if not progress.complete
         else []

@@ -229,6 +229,11 @@ def _select_documents(
     return chosen, ids, [docs[i].title for i in chosen]
 
 
+def stored_identity(config_json: dict, ignore: tuple[str, ...] = ()) -> dict:
+    """The identity a run directory's config.json holds, less `ignore` (keys that no longer belong to it)."""
+    return {k: v for k, v in config_json.get("identity", {}).items() if k not in ignore}
+
+
 def _prepare_dir(
     run_dir: Path, config_json: dict, identity: dict, force: bool, ignore: tuple[str, ...] = ()
 ) -> None:
@@ -240,7 +245,7 @@ def _prepare_dir(
     cfg_path = run_dir / "config.json"
     if cfg_path.is_file() and not force:
         old = json.loads(cfg_path.read_text())
-        old_identity = {k: v for k, v in old.get("identity", {}).items() if k not in ignore}
+        old_identity = stored_identity(old, ignore)
         if old_identity == identity:
             now = config_json.get("git_commit")
             resumed = list(old.get("resumed_git_commits", []))
