@@ -1,28 +1,45 @@
 """Attention over a quantized layer, registered with transformers' AttentionInterface.
 
 `QuantizedLayer.update` returns a `LayerView` in place of K/V tensors. The function registered here
-as "kvquant" reads that view as it is stored:
-  - Triton kernels (kvquant.kernels) when the backend asks for them, or on CUDA with "auto";
-  - otherwise the PyTorch reference: dequantize, then transformers' SDPA path (GQA, masks, causality).
+as "kvquant" reads that view as it is stored, on the path `kvquant.backend` chose for the layer:
+  - Triton kernels (kvquant.kernels) when the backend selects them;
+  - otherwise the PyTorch reference (`reference_attention`): it streams the stored pages block by block
+    (sink, body in chunks of `STREAM_TOKENS`, window), decodes one block at a time through the codec and
+    folds it into an online softmax (flash-decoding's recurrence), so the whole cache is never decoded at
+    once.
 Given plain tensors (a DynamicCache, or no cache) it is transformers' SDPA attention unchanged, so a
 model can keep this implementation whatever cache it is handed.
+
+Decode-exact chunks: a multi-token forward lets each query see every key as the cache held it when that
+query would have been decoded one token at a time (`_fresh_masks`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .backend import ATTN_IMPLEMENTATION, uses_kernels
+from .backend import ATTN_IMPLEMENTATION
 from .cache import LayerView
+from .store import Region
 
-__all__ = ["ATTN_IMPLEMENTATION", "kvquant_attention", "register_attention"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "STREAM_TOKENS",
+    "kvquant_attention",
+    "reference_attention",
+    "register_attention",
+]
 
 logger = logging.getLogger(__name__)
+
+STREAM_TOKENS = 1024  # keys decoded per step of the reference path: (B, H_kv, 1024, D) at a time
 
 
 def kvquant_attention(
@@ -37,65 +54,276 @@ def kvquant_attention(
 ) -> tuple[torch.Tensor, None]:
     """Returns (attn_output (B, q, H_q, D), None), as transformers' attention functions do."""
     if isinstance(key, LayerView):
-        if uses_kernels(key.backend, query.device):
+        if key.kernel_registry is not None:  # the backend chose the kernels for this layer (kvquant.backend)
             from .kernels.dispatch import fused_attention  # lazy: `import kvquant` never imports triton
 
             out = fused_attention(query, key, attention_mask, scaling, registry=key.kernel_registry)
             if out is not None:
                 return out, None
-        view = key
-        key, value = view.keys(query.dtype), view.values(query.dtype)  # (B, H_kv, T, D)
-        if view.fresh_k is not None and query.shape[2] > 1:
-            key, value, attention_mask = _as_decoded(query, view, key, value, attention_mask)
+        return reference_attention(query, key, attention_mask, scaling), None
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
     )
 
 
-def _as_decoded(
+@dataclass(frozen=True)
+class _Segment:
+    """Stored keys/values of view columns [col, col + n) as attention reads them, with their mask."""
+
+    key: torch.Tensor  # (B, H_kv, n, D) in the working dtype
+    value: torch.Tensor
+    col: int
+    mask: torch.Tensor | None  # (B or 1, 1, q, n) bool (True = attend) or float (added); None = all
+
+
+def reference_attention(
     query: torch.Tensor,  # (B, H_q, q, D)
     view: LayerView,
-    key: torch.Tensor,  # (B, H_kv, T, D) as stored
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,  # bool (B or 1, 1, q, >= T), True = attend; None = causal
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """K/V and mask under which each query of a chunk sees every key as the cache held it when that query
-    would have been decoded one token at a time.
+    attention_mask: torch.Tensor | None,  # (B or 1, 1, q, >= T): bool (True = attend) or additive float
+    scaling: float | None = None,
+    *,
+    stream_tokens: int = STREAM_TOKENS,
+) -> torch.Tensor:
+    """Attention of `query` over the layer view, streaming its pages: (B, q, H_q, D).
 
-    The update before this call quantized the tokens [f0, f1) (view.fresh_*; absolute positions, the view's
-    keys start at position view.start). Query p (an absolute position) would have seen key j < f1 quantized
-    only if j < scheme.quantized_end(p + 1); a later
-    query in the same chunk may see more of them quantized than an earlier one. So the keys of [f0, f1)
-    appear twice, unquantized in place and quantized appended after the end, and the mask lets each
-    query attend to exactly one of the two copies. Without this, a query would see its own near past
-    quantized although a decoder keeps it in the FP window, and results would depend on the chunk size.
+    The keys and values of one block of pages are decoded by the view's codecs and folded into the result
+    with their log-sum-exp, so the layer is never decoded whole. One query (decoding) is scored directly in
+    fp32 (fp64 for an fp64 query), the H_q / H_kv query heads of a KV head sharing its decoded block; a chunk
+    of queries goes through torch's fused CPU attention kernel one (query block, key block) tile at a time,
+    skipping tiles its mask hides entirely (the causal upper triangle). A query that may attend to no key
+    gets zeros. `attention_mask` None means causal over absolute positions (every key for one query).
     """
-    q_len, kv_len = query.shape[2], key.shape[2]
-    start = view.start
+    b, hq, q, d = query.shape
+    hkv = view.shape[1]
+    if hq % hkv:
+        raise ValueError(f"{hq} query heads cannot share {hkv} KV heads (H_q must be a multiple of H_kv)")
+    work = torch.float64 if query.dtype == torch.float64 else torch.float32
+    scale = scaling if scaling is not None else d**-0.5
+    mask = _base_mask(query, view, attention_mask)
+    state = _Merge(b, hq, q, d, work, query.device)
+    tiled = q > _DIRECT_QUERIES
+    for seg in _segments(view, query, mask, work, stream_tokens):
+        if tiled:
+            _tiles(query, seg, scale, state)
+        else:
+            state.add(*_direct(query, seg, scale, work))
+    return state.result().transpose(1, 2).contiguous().to(query.dtype)  # (B, q, H_q, D)
+
+
+_DIRECT_QUERIES = 16  # up to this many queries are scored directly; more go through the fused kernel in tiles
+_QUERY_TILE = 256
+
+
+class _Merge:
+    """Partial attention outputs over disjoint key sets, combined by their log-sum-exp (flash-decoding)."""
+
+    def __init__(self, b: int, hq: int, q: int, d: int, dtype: torch.dtype, device: torch.device):
+        self.out = torch.zeros((b, hq, q, d), dtype=dtype, device=device)  # normalized so far
+        self.lse = torch.full((b, hq, q), float("-inf"), dtype=dtype, device=device)
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor, rows: slice = slice(None)) -> None:
+        """Fold out (B, H_q, r, D) with lse (B, H_q, r) (-inf: no key attended) into query rows `rows`."""
+        acc, old = self.out[:, :, rows], self.lse[:, :, rows]
+        new = torch.logaddexp(old, lse)
+        safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+        w_old = torch.exp(old - safe).unsqueeze(-1)
+        w_new = torch.exp(lse - safe).unsqueeze(-1)
+        acc.mul_(w_old).add_(out.to(acc.dtype) * w_new)
+        old.copy_(new)
+
+    def result(self) -> torch.Tensor:
+        return self.out  # rows that attended nothing kept their zeros
+
+
+def _direct(
+    query: torch.Tensor, seg: _Segment, scale: float, work: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One segment for a few queries: (out (B, H_q, q, D), lse (B, H_q, q)), scores in `work`."""
+    b, hq, q, d = query.shape
+    hkv, n = seg.key.shape[1], seg.key.shape[2]
+    g = hq // hkv
+    qg = query.to(work).reshape(b, hkv, g * q, d)  # (B, H_kv, g*q, D): query heads of a KV head together
+    s = torch.matmul(qg, seg.key.transpose(-1, -2)) * scale  # (B, H_kv, g*q, n)
+    if seg.mask is not None:
+        s5 = s.view(b, hkv, g, q, n)
+        if seg.mask.dtype == torch.bool:
+            s5.masked_fill_(~seg.mask.unsqueeze(2), float("-inf"))
+        else:
+            s5.add_(seg.mask.unsqueeze(2).to(work))
+    mx = s.amax(dim=-1, keepdim=True)
+    base = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # all masked: no NaN
+    p = torch.exp(s - base)
+    total = p.sum(dim=-1, keepdim=True)
+    out = torch.matmul(p, seg.value) / total.clamp_min(torch.finfo(work).tiny)  # (B, H_kv, g*q, D)
+    lse = torch.where(total > 0, torch.log(total) + base, torch.full_like(total, float("-inf")))
+    return out.view(b, hq, q, d), lse.view(b, hq, q)
+
+
+def _tiles(query: torch.Tensor, seg: _Segment, scale: float, state: _Merge) -> None:
+    """One segment for a chunk of queries, through torch's fused CPU attention one query tile at a time;
+    tiles the mask hides entirely are skipped, tiles it leaves whole run unmasked."""
+    b, hq, q, d = query.shape
+    g = hq // seg.key.shape[1]
+    k = seg.key.to(query.dtype).repeat_interleave(g, dim=1) if g > 1 else seg.key.to(query.dtype)
+    v = seg.value.to(query.dtype).repeat_interleave(g, dim=1) if g > 1 else seg.value.to(query.dtype)
+    for q0 in range(0, q, _QUERY_TILE):
+        rows = slice(q0, min(q, q0 + _QUERY_TILE))
+        tile = None if seg.mask is None else seg.mask[:, :, rows]  # (B or 1, 1, r, n)
+        float_mask, empty_rows = None, None
+        if tile is not None and tile.dtype == torch.bool:
+            if not bool(tile.any()):
+                continue  # hidden: the causal upper triangle, or keys outside a query's window
+            if not bool(tile.all()):
+                float_mask = torch.zeros(tile.shape, dtype=query.dtype, device=query.device)
+                float_mask.masked_fill_(~tile, float("-inf"))
+                empty_rows = ~tile.any(dim=-1)  # (B or 1, 1, r): the kernel gives them lse 0, not -inf
+        elif tile is not None:
+            float_mask = tile.to(query.dtype)
+            empty_rows = ~torch.isfinite(tile).any(dim=-1)
+        out, lse = _FLASH_CPU(query[:, :, rows], k, v, 0.0, False, attn_mask=float_mask, scale=scale)
+        if empty_rows is not None:
+            lse = lse.masked_fill(empty_rows, float("-inf"))
+        state.add(out, lse, rows)
+
+
+_FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, logsumexp)
+
+
+def _base_mask(
+    query: torch.Tensor, view: LayerView, attention_mask: torch.Tensor | None
+) -> torch.Tensor | None:
+    """The mask over the view's T columns: the model's (first T columns), causal by absolute position when
+    the model passed none for several queries, None (every key) for one query."""
+    q, kv_len = query.shape[2], view.shape[2]
+    if attention_mask is not None:
+        return attention_mask[..., :kv_len]
+    if q == 1:
+        return None
+    cols = torch.arange(kv_len, device=query.device)
+    rows = torch.arange(kv_len - q, kv_len, device=query.device)
+    return (cols[None, :] <= rows[:, None])[None, None]  # (1, 1, q, T) bottom-right causal
+
+
+def _fresh_masks(
+    query: torch.Tensor, view: LayerView, mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(quantized (q, n) bool, the FP copies' mask (B or 1, 1, q, n)) for the body tokens the update before
+    this call encoded (view.fresh_*), or None when every query sees all of them as stored.
+
+    Query p (an absolute position) would have seen key j quantized only if j < scheme.quantized_end(p + 1);
+    a later query of the same chunk may see more of them quantized than an earlier one. So those keys are read
+    twice: as stored (quantized) where a query saw them quantized, and from their FP copy elsewhere. Without
+    this, a query would see its own near past quantized although a decoder keeps it in the FP window, and
+    results would depend on the chunk size."""
+    if view.fresh_k is None or query.shape[2] == 1:
+        return None
+    q, kv_len = query.shape[2], view.shape[2]
     f0 = view.fresh_start
-    f1 = f0 + view.fresh_k.shape[2]
-    pos = torch.arange(kv_len - q_len, kv_len, device=query.device) + start  # (q,) absolute query positions
-    scheme = view.scheme
-    ends = quantized_ends(scheme, pos + 1)  # (q,)
-    j = torch.arange(f0, f1, device=query.device)
+    n = view.fresh_k.shape[2]
+    pos = torch.arange(kv_len - q, kv_len, device=query.device) + view.start  # (q,) absolute positions
+    ends = quantized_ends(view.scheme, pos + 1)  # (q,)
+    j = torch.arange(f0, f0 + n, device=query.device)
     quantized = j[None, :] < ends[:, None]  # (q, n): query p sees key j quantized
-    f0, f1 = f0 - start, f1 - start  # as indices into the view's keys
     if bool(quantized.all()):
-        return key, value, attention_mask  # every query sees [f0, f1) as stored
-    if attention_mask is None:
-        allowed = torch.arange(kv_len, device=query.device)[None, :] + start <= pos[:, None]  # causal (q, T)
-        allowed = allowed[None, None]  # (1, 1, q, T)
-    else:
-        allowed = attention_mask[..., :kv_len]
-    in_place = allowed.clone()
-    in_place[..., f0:f1] &= ~quantized
-    appended = allowed[..., f0:f1] & quantized
-    fp_key, fp_value = key.clone(), value.clone()
-    fp_key[:, :, f0:f1] = view.fresh_k.to(key.dtype)
-    fp_value[:, :, f0:f1] = view.fresh_v.to(value.dtype)
-    key = torch.cat([fp_key, key[:, :, f0:f1]], dim=2)  # (B, H_kv, T + n, D)
-    value = torch.cat([fp_value, value[:, :, f0:f1]], dim=2)
-    return key, value, torch.cat([in_place, appended], dim=-1)
+        return None
+    c0 = f0 - view.start
+    cols = mask[..., c0 : c0 + n] if mask is not None else None
+    fp_copies = _restrict(cols, ~quantized)
+    if fp_copies.dtype == torch.bool and not bool(fp_copies.any()):
+        return None  # every query saw as stored each fresh key it may attend to (no window): read them once
+    return quantized, fp_copies
+
+
+def _restrict(mask: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor:
+    """mask (B or 1, 1, q, n) (None = all) narrowed to where keep (q, n) holds."""
+    if mask is None:
+        return keep[None, None]
+    if mask.dtype == torch.bool:
+        return mask & keep
+    return torch.where(keep, mask, torch.full_like(mask, float("-inf")))
+
+
+def _segments(
+    view: LayerView, query: torch.Tensor, mask: torch.Tensor | None, work: torch.dtype, stream_tokens: int
+) -> Iterator[_Segment]:
+    """The view's keys and values block by block, decoded: sink, body (chunks of whole pages), window, and
+    the FP copies of freshly encoded tokens where a query of this chunk saw them unquantized."""
+    fresh = _fresh_masks(query, view, mask)
+    sink_n, body_n = view.sink.length, view.body.length
+
+    def cols(c0: int, n: int) -> torch.Tensor | None:
+        return None if mask is None else mask[..., c0 : c0 + n]
+
+    if sink_n:
+        yield _Segment(*_fp_region(view, view.sink, work), 0, cols(0, sink_n))
+    fresh_c0 = view.fresh_start - view.start
+    for sub, off in _chunks(view.body, view.block_size, stream_tokens):
+        k = _decode(view.key_codec, view.key_pages, sub, work)
+        v = _decode(view.value_codec, view.value_pages, sub, work)
+        c0, n = sink_n + off, sub.length
+        m = cols(c0, n)
+        if fresh is not None:
+            lo, hi = max(c0, fresh_c0), min(c0 + n, fresh_c0 + fresh[0].shape[1])
+            if lo < hi:  # stored copies of fresh tokens count only where a query saw them quantized
+                keep = torch.ones((query.shape[2], n), dtype=torch.bool, device=query.device)
+                keep[:, lo - c0 : hi - c0] = fresh[0][:, lo - fresh_c0 : hi - fresh_c0]
+                m = _restrict(m, keep)
+        yield _Segment(k, v, c0, m)
+    if view.recent.length:
+        c0 = sink_n + body_n
+        yield _Segment(*_fp_region(view, view.recent, work), c0, cols(c0, view.recent.length))
+    if fresh is not None:
+        yield _Segment(view.fresh_k.to(work), view.fresh_v.to(work), fresh_c0, fresh[1])
+
+
+def _chunks(region: Region, block_size: int, tokens: int) -> Iterator[tuple[Region, int]]:
+    """Sub-regions of whole pages holding at most about `tokens` tokens, with each one's first token's index
+    in the region."""
+    per = max(1, tokens // block_size)  # pages per chunk
+    pages = region.table.shape[1]
+    done = 0
+    for j0 in range(0, pages, per):
+        j1 = min(pages, j0 + per)
+        offset = region.offset if j0 == 0 else 0
+        n = min(region.length - done, (j1 - j0) * block_size - offset)
+        if n <= 0:
+            break
+        yield Region(region.table[:, j0:j1], offset, n, region.start + done), done
+        done += n
+
+
+def _gather(pages: dict[str, torch.Tensor], fields, region: Region) -> dict[str, torch.Tensor]:
+    """Fields of a region's tokens {name: (B, heads_f, rows, cols)} gathered from pool tensors (P, heads_f,
+    rows_per_page, cols): a copy of just these pages."""
+    out = {}
+    table = region.table
+    for name, pool in pages.items():
+        tokens = fields[name].tokens
+        t = pool[table.to(pool.device)]  # (B, n, heads_f, rows_per_page, cols)
+        bsz, n, h, rpp, c = t.shape
+        rows = t.transpose(1, 2).reshape(bsz, h, n * rpp, c)
+        out[name] = rows[:, :, region.offset // tokens : (region.offset + region.length) // tokens]
+    return out
+
+
+def _decode(codec, pages: dict[str, torch.Tensor], region: Region, work: torch.dtype) -> torch.Tensor:
+    """One block of body tokens decoded by its codec (position-aware: pre-RoPE keys), (B, H_kv, n, D)."""
+    return codec.decode_at(_gather(pages, codec.fields(), region), region.start, work)
+
+
+def _fp_region(view: LayerView, region: Region, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP keys and values of a sink or window region, (B, H_kv, n, D) each in the working dtype."""
+    fields = {"k": _FP_FIELD, "v": _FP_FIELD}
+    got = _gather({"k": view.fp_k, "v": view.fp_v}, fields, region)
+    return got["k"].to(work), got["v"].to(work)
+
+
+@dataclass(frozen=True)
+class _OneTokenRows:
+    tokens: int = 1
+
+
+_FP_FIELD = _OneTokenRows()
 
 
 def quantized_ends(scheme, num_tokens: torch.Tensor) -> torch.Tensor:

@@ -31,11 +31,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .backend import ATTN_IMPLEMENTATION, KernelHandle, check_backend, uses_kernels
-from .codec import Codec, Field, codec_for
+from .codec import Codec, Field
 from .codec_transforms import kernel_frame
 from .memory import KVShape
+from .plan import LayerPlan
 from .scheme import Scheme, parse_scheme
-from .store import BlockTable, KVStore, PagePool, Region, effective_block_size, gather_region
+from .store import BlockTable, KVStore, PagePool, Region, gather_region
 
 __all__ = ["QuantizedCache", "QuantizedLayer", "LayerView", "DEFAULT_BLOCK_SIZE"]
 
@@ -143,7 +144,8 @@ class QuantizedLayer(CacheLayerMixin):
         block_size: tokens per page; raised to a multiple of every codec's token group (channel-wise specs).
         sliding_window: the model's window on a sliding-window layer (keys older than it are released), else
             None.
-        capacity: tokens per sequence to preallocate pages for (the pools double when they run out).
+        capacity: tokens per sequence to preallocate codec pages for; FP pages are sized by what the sink and
+            window can hold. Pools grow in bounded steps (1/16) beyond that, never doubling.
         store, layer_idx: take this layer's pools from a shared `kvquant.store.KVStore` (several caches then
             share pages: prefixes, `kvquant.prefix`) instead of making private ones.
     """
@@ -202,17 +204,22 @@ class QuantizedLayer(CacheLayerMixin):
     def _init_storage(self, b: int, h: int, d: int, dtype: torch.dtype, device: torch.device) -> None:
         self.device, self.dtype = device, dtype
         self.num_heads, self.head_dim = h, d
-        ctx = dict(layer=self.layer_idx, calib=self.calib, rope=self.rope)
-        self.key_codec = codec_for(self.scheme.key, h, d, self.dtype, role="k", **ctx)
-        self.value_codec = codec_for(self.scheme.value, h, d, self.dtype, role="v", **ctx)
-        self.block_size = effective_block_size(
-            self.requested_block_size, self.key_codec.token_group, self.value_codec.token_group
+        self.plan = LayerPlan.build(
+            self.scheme,
+            heads=h,
+            head_dim=d,
+            dtype=dtype,
+            block_size=self.requested_block_size,
+            sliding_window=self.sliding_window,
+            layer=self.layer_idx,
+            calib=self.calib,
+            rope=self.rope,
         )
+        self.key_codec, self.value_codec = self.plan.key_codec, self.plan.value_codec
+        self.block_size = self.plan.block_size
         if self.store is not None:
             self._take_store_pools()
         else:
-            pages = -(-self.capacity // self.block_size) * b
-            fp = Field(h, 1, d, self.dtype)
             why = (
                 ""
                 if self.block_size == self.requested_block_size
@@ -221,10 +228,14 @@ class QuantizedLayer(CacheLayerMixin):
                     f"{self.key_codec.token_group}/{self.value_codec.token_group} (K/V)"
                 )
             )
-            self.fp_pool = PagePool({"k": fp, "v": fp}, self.block_size, self.device, pages, "fp" + why)
-            body_fields = {f"k.{n}": f for n, f in self.key_codec.fields().items()}
-            body_fields |= {f"v.{n}": f for n, f in self.value_codec.fields().items()}
-            self.body_pool = PagePool(body_fields, self.block_size, self.device, pages, "body" + why)
+            # sized by the plan: FP pages only for what the sink and window can ever hold, codec pages for
+            # `capacity` tokens; both grow in bounded steps beyond that (kvquant.store.PagePool.reserve)
+            fp_pages = self.plan.max_fp_pages * b
+            body_pages = self.plan.body_pages(self.capacity) * b
+            self.fp_pool = PagePool(self.plan.fp_fields(), self.block_size, self.device, fp_pages, "fp" + why)
+            self.body_pool = PagePool(
+                self.plan.body_fields(), self.block_size, self.device, body_pages, "body" + why
+            )
         self.sink_t = BlockTable(self.fp_pool, b)
         self.body_t = BlockTable(self.body_pool, b)
         self.recent_t = BlockTable(self.fp_pool, b)
@@ -264,10 +275,11 @@ class QuantizedLayer(CacheLayerMixin):
         q0 = p1 - k.shape[2]  # position of k[:, :, 0]
         fresh = self._flush(p1, q0, k, v)
         body_end = sink + self.body_len
+        # pages holding only encoded tokens go first, so the window never holds more than the plan's bound
+        self.recent_t.release_before((body_end - sink) // self.block_size)
         w0 = max(q0, body_end)
         if w0 < p1:
             self.recent_t.write(w0 - sink, {"k": k[:, :, w0 - q0 :], "v": v[:, :, w0 - q0 :]})
-        self.recent_t.release_before((body_end - sink) // self.block_size)
         self.length = p1
         view = self.view(view_start, fresh)
         if self.sliding_window is not None:
@@ -383,6 +395,13 @@ class QuantizedLayer(CacheLayerMixin):
         for table in self._tables():
             table.clear()
         self.length = self.body_len = self.dropped = 0
+        self._trim()
+
+    def _trim(self) -> None:
+        """Give free pages at the end of private pools back (a shared store's pages stay in its pools)."""
+        if self.store is None:
+            self.fp_pool.trim()
+            self.body_pool.trim()
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last |tokens_to_remove| tokens (a negative number, as transformers' DynamicLayer)."""
@@ -419,6 +438,7 @@ class QuantizedLayer(CacheLayerMixin):
             self.body_len = 0
             self.sink_t.truncate(-(-keep // bs))
         self.length = keep
+        self._trim()
 
     def _select_rows(self, indices: list[int]) -> None:
         if not self.is_initialized:
@@ -675,7 +695,8 @@ class QuantizedCache(Cache):
             writes them (all full-attention).
         backend: "auto" (Triton kernels on CUDA when available, else PyTorch), "triton" or "torch".
         block_size: tokens per page (16, as vLLM); raised to a multiple of a channel-wise token group.
-        capacity: tokens per sequence to preallocate pages for; the pools double beyond it.
+        capacity: tokens per sequence to preallocate codec pages for (FP pages: only what the scheme's sink
+            and window can hold); the pools grow in bounded steps (1/16 of the pages in use) beyond it.
         store: a shared `kvquant.store.KVStore` (same scheme and model) whose pools every layer uses, so that
             several caches (one per request) share pages: prefix caching and eviction under a byte budget
             (`kvquant.prefix`, `kvquant.evict`, `kvquant.serving`). Default: private pools per layer.

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from .codec import block_extent, torch_dtype
-from .packing import pack
+from .packing import pack, unpack
 from .scheme import QuantSpec, parse_spec
 
 __all__ = ["QTensor", "quantize", "dequantize", "fake_quantize", "scale_shape", "sqnr_db"]
@@ -154,26 +154,15 @@ def quantize(x: torch.Tensor, spec: QuantSpec | str) -> QTensor:
     )
 
 
-def _code_table(spec: QuantSpec, device: torch.device) -> torch.Tensor:
-    """(256, 8 // bits) fp32: the code values held by each byte, already shifted and divided for symmetric
-    specs ((code - 2^(b-1)) / qmax), so unpacking and the first arithmetic step are one gather."""
-    shifts = torch.arange(0, 8, spec.bits, device=device)
-    table = ((torch.arange(256, device=device)[:, None] >> shifts) & ((1 << spec.bits) - 1)).float()
-    if spec.symmetric:
-        table = (table - (1 << (spec.bits - 1))) / spec.qmax
-    return table
-
-
 def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """QTensor -> tensor of q.shape, in `dtype` (default: the dtype that was quantized)."""
+    """QTensor -> tensor of q.shape, in `dtype` (default: the dtype that was quantized).
+
+    Codes are unpacked with shifts and masks on the packed bytes (`kvquant.packing.unpack`, no index
+    tensors), then x_hat = code * scale + zero, or (code - 2^(b-1)) / qmax * scale, in fp32."""
     spec = q.spec
-    if spec.bits == 8:  # one code per byte: a cast beats a gather
-        values = q.codes.float()  # (B, H, T, D)
-        if spec.symmetric:
-            values = (values - (1 << (spec.bits - 1))) / spec.qmax
-    else:
-        table = _code_table(spec, q.codes.device)
-        values = table[q.codes.long()].flatten(-2)[..., : q.shape[-1]].contiguous()  # (B, H, T, D) fp32
+    values = unpack(q.codes, spec.bits, q.shape[-1]).float()  # (B, H, T, D)
+    if spec.symmetric:
+        values = (values - (1 << (spec.bits - 1))) / spec.qmax
     extent = block_extent(spec, q.shape[1], q.shape[3])
     blocks, scale = extent.broadcast(values, q.scale.float())
     if spec.symmetric:

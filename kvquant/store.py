@@ -3,8 +3,13 @@
 A `PagePool` holds one page format for one decoder layer: a set of named fields, each a tensor
 (capacity, heads_f, block_size // tokens_f, cols_f) as a codec declares them (`kvquant.codec.Field`).
 Pages are integer ids. Every page has a reference count; a page whose count drops to zero goes back to
-the free list, and a pool that runs out of pages doubles its capacity (one copy, amortized), so appending
-a token costs the same at 1k and at 128k tokens.
+the free list (the lowest id is handed out first). Pools hold what they report: page tensors are allocated
+uninitialized (never zero-filled, so a page the cache has not written is not resident on the CPU), and a
+pool that runs out grows to exactly what a write needs plus 1/16 of that (`GROWTH_DIVISOR`), never
+doubling, so the reserve stays within one page and 6.25% of the pages in use; `trim()` gives back free
+pages at the end.
+Appending a token costs the same at 1k and at 128k tokens (amortized: a growth copies the pool once per
+1/16 of its size).
 
 A `BlockTable` is one region of one layer (sink, body or recent window) for every sequence of a batch:
 page ids per sequence in position order. Column j holds logical page `first + j`; region token i lives in
@@ -28,8 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import Codec, Field, codec_for
+from .codec import Codec, Field
 from .memory import KVShape
+from .plan import LayerPlan
 from .scheme import parse_scheme
 
 __all__ = [
@@ -43,6 +49,9 @@ __all__ = [
     "effective_block_size",
     "gather_region",
 ]
+
+
+GROWTH_DIVISOR = 16  # a pool grows by 1/16 of its pages in use (plus what the write needs), never doubling
 
 
 class StoreError(RuntimeError):
@@ -62,14 +71,14 @@ class Region:
 
 
 class PagePool:
-    """Pages of one format (named fields) for one layer, preallocated and grown by doubling."""
+    """Pages of one format (named fields) for one layer, allocated uninitialized, grown in bounded steps."""
 
     def __init__(
         self,
         fields: Mapping[str, Field],
         block_size: int,
         device: torch.device | str = "cpu",
-        capacity: int = 4,
+        capacity: int = 0,
         label: str = "",
     ):
         if block_size < 1:
@@ -84,9 +93,9 @@ class PagePool:
         self.block_size = block_size
         self.device = torch.device(device)
         self.label = label
-        capacity = max(int(capacity), 1)
+        capacity = max(int(capacity), 0)
         self.tensors: dict[str, torch.Tensor] = {
-            name: torch.zeros(
+            name: torch.empty(
                 (capacity, f.heads, block_size // f.tokens, f.cols), dtype=f.dtype, device=self.device
             )
             for name, f in self.fields.items()
@@ -127,23 +136,51 @@ class PagePool:
     # ---- pages
 
     def allocate(self) -> int:
-        """A free page with reference count 1 (its contents are whatever was there)."""
+        """A free page with reference count 1 (its contents are whatever was there: uninitialized, stale)."""
         if self.on_allocate is not None:
             self.on_allocate(self)
         if not self._free:
-            self._grow(self.capacity * 2)
+            self.reserve(1)
         page = self._free.pop()
         self._refs[page] = 1
         return page
 
-    def _grow(self, capacity: int) -> None:
+    def reserve(self, pages: int) -> None:
+        """Make at least `pages` pages free, growing once: to the pages then in use plus a slack of
+        ceil((in use + pages) / 16) pages (`GROWTH_DIVISOR`): one page at a time costs one copy of the pool
+        per 1/16 of its size, and the reserve stays within 6.25% of the pages in use, rounded up."""
+        short = pages - len(self._free)
+        if short <= 0:
+            return
+        need = self.capacity + short
+        self._resize(need + -(-(self.in_use + pages) // GROWTH_DIVISOR))
+
+    def _resize(self, capacity: int) -> None:
+        """Grow (or, with every page past `capacity` free, shrink) the page tensors; ids below stay put."""
         old = self.capacity
+        if capacity == old:
+            return
+        keep = min(old, capacity)
         for name, t in self.tensors.items():
-            grown = torch.zeros((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
-            grown[:old] = t
-            self.tensors[name] = grown
-        self._refs += [0] * (capacity - old)
-        self._free = list(range(capacity - 1, old - 1, -1)) + self._free
+            resized = torch.empty((capacity, *t.shape[1:]), dtype=t.dtype, device=t.device)
+            if keep:
+                resized[:keep] = t[:keep]
+            self.tensors[name] = resized
+        if capacity > old:
+            self._refs += [0] * (capacity - old)
+            self._free = list(range(capacity - 1, old - 1, -1)) + self._free
+        else:
+            del self._refs[capacity:]
+            self._free = [p for p in self._free if p < capacity]
+
+    def trim(self) -> int:
+        """Give back the free pages after the last page in use (the tensors shrink; ids in use stay).
+        Returns the pages given back."""
+        last = max((p for p, n in enumerate(self._refs) if n > 0), default=-1)
+        freed = self.capacity - (last + 1)
+        if freed > 0:
+            self._resize(last + 1)
+        return max(freed, 0)
 
     def refcount(self, page: int) -> int:
         return self._refs[page]
@@ -283,6 +320,8 @@ class BlockTable:
             self.first = lo
         if lo < self.first:
             raise StoreError(f"logical page {lo} was released (table starts at {self.first})")
+        if self.end < hi:
+            self.pool.reserve((hi - self.end) * self.batch)  # one growth for a long write, not many
         while self.end < hi:
             for row in self.rows:
                 row.append(self.pool.allocate())
@@ -443,26 +482,26 @@ class KVStore:
         acc = accounting_dtype or dtype
         h, d = self.shape.num_kv_heads, self.shape.head_dim
         self.layers: list[LayerPools] = []
+        self.plans: list[LayerPlan] = []
         for i in range(self.shape.num_layers):
             window = self.shape.window_of(i)
             # per-layer specs as the cache's layers get them; codecs here only size the pages (a layer
             # encodes with its own, which carry calibration tables and RoPE)
-            si = self.scheme.for_layer(i) if getattr(self.scheme, "layers", ()) else self.scheme
-            kc = codec_for(si.key, h, d, dtype, layer=i, role="k")
-            vc = codec_for(si.value, h, d, dtype, layer=i, role="v")
-            bs = effective_block_size(block_size, kc.token_group, vc.token_group)
-            pages = max(-(-capacity_tokens // bs), 1)
-            fp_field = Field(h, 1, d, dtype)
-            fp = PagePool({"k": fp_field, "v": fp_field}, bs, self.device, pages, f"fp[{i}]")
-            body_fields = {f"k.{n}": f for n, f in kc.fields().items()}
-            body_fields |= {f"v.{n}": f for n, f in vc.fields().items()}
-            body = PagePool(body_fields, bs, self.device, pages, f"body[{i}]")
-            akc = codec_for(si.key, h, d, acc, layer=i, role="k")
-            avc = codec_for(si.value, h, d, acc, layer=i, role="v")
-            fp_b = 2 * Field(h, 1, d, acc).nbytes(bs)
+            plan = LayerPlan.build(
+                self.scheme.for_layer(i), heads=h, head_dim=d, dtype=dtype, block_size=block_size,
+                sliding_window=window, layer=i,
+            )
+            bs = plan.block_size
+            fp = PagePool(plan.fp_fields(), bs, self.device, plan.max_fp_pages, f"fp[{i}]")
+            body_pages = plan.body_pages(capacity_tokens)
+            body = PagePool(plan.body_fields(), bs, self.device, body_pages, f"body[{i}]")
+            fp_b, body_b = plan.page_bytes(acc)
             for pool in (fp, body):
                 pool.on_allocate = self._before_allocate
-            self.layers.append(LayerPools(fp, body, kc, vc, bs, window, fp_b, akc.bytes(bs) + avc.bytes(bs)))
+            self.plans.append(plan)
+            self.layers.append(
+                LayerPools(fp, body, plan.key_codec, plan.value_codec, bs, window, fp_b, body_b)
+            )
 
     # ---- sizes
 

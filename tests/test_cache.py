@@ -177,11 +177,12 @@ def test_quantized_changes_logits_but_not_by_much(model):
     err = {}
     for scheme in ("int8", "int4-g32", "int2-g32", "kivi-2"):
         got = _run(model, ids, kvquant.QuantizedCache(scheme, model.config))
-        err[scheme] = float((got - ref).abs().mean() / scale)  # measured: 0.005, 0.063, 0.30, 0
+        err[scheme] = float((got - ref).abs().mean() / scale)  # measured: 0.005, 0.063, 0.30, 3e-7
     assert 0 < err["int8"] < 0.015
     assert err["int8"] * 4 < err["int4-g32"] < 0.15
     assert err["int4-g32"] * 2 < err["int2-g32"] < 0.6
-    assert err["kivi-2"] == 0  # 48 tokens fit in kivi's 128-token FP window
+    # 48 tokens fit in kivi's 128-token FP window: equal up to fp32 rounding of the streamed softmax
+    assert err["kivi-2"] < 1e-5
 
 
 # ---------------------------------------------------------------------------------------- generate

@@ -41,8 +41,10 @@ def test_fp16_zero_drift_and_2bit_drift(tiny_model, ids, mode):
     for b in ref:
         assert ref[b].tokens == fp[b].tokens == q[b].tokens > 0
         assert ref[b].kl == 0 and ref[b].top1 == ref[b].tokens
-        assert fp[b].nll == ref[b].nll  # unquantized scheme through the kvquant path: bit-identical
-        assert fp[b].kl == pytest.approx(0, abs=1e-9) and fp[b].top1 == fp[b].tokens
+        # unquantized scheme through the kvquant path: equal up to fp32 rounding (the reference path folds
+        # blocks of keys by their log-sum-exp instead of one SDPA call; measured 4e-9 relative, KL 1e-7/token)
+        assert fp[b].nll == pytest.approx(ref[b].nll, rel=1e-7)
+        assert 0 <= fp[b].kl <= 1e-6 * fp[b].tokens and fp[b].top1 == fp[b].tokens
         assert q[b].nll != ref[b].nll and q[b].kl > 0
     assert sum(s.tokens for s in ref.values()) == LENGTH - 1
 

@@ -1,0 +1,165 @@
+"""One decoder layer's storage plan: its codecs, page formats, the storage rule and its sizes, said once.
+
+A `LayerPlan` is built once per layer from the layer's uniform scheme (`Scheme.for_layer`), the layer kind
+(full attention, or sliding with its window), the requested block size and the storage dtype. Everything
+that asks "where does the body end after n tokens", "how many pages and bytes does n tokens take" or "how
+many FP pages can this layer ever hold at once" asks the plan:
+
+    sink     positions [0, sink)                 FP pages     (none on a sliding layer: its mask never lets a
+                                                                query see a key behind the window)
+    body     positions [sink, quantized_end(n))  codec pages  encoded once, in multiples of flush_step
+    window   positions [quantized_end(n), n)     FP pages     at least `window`, plus an incomplete group
+
+Tokens of the body and the window share one logical page numbering (body token i sits in logical page
+i // block_size), so a window page is freed once all its tokens are encoded. A sliding layer releases the
+pages before `dropped(n)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .codec import Codec, Field, codec_for
+from .scheme import Scheme
+
+__all__ = ["LayerPlan"]
+
+
+def _pages(lo: int, hi: int, block_size: int) -> int:
+    """Pages holding region tokens [lo, hi): logical pages lo // bs .. (hi - 1) // bs."""
+    return 0 if hi <= lo else (hi - 1) // block_size - lo // block_size + 1
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """The storage rule and sizes of one decoder layer (see the module docstring).
+
+    scheme: the layer's uniform scheme as stored (sink 0 on a sliding layer).
+    block_size: tokens per page, the requested size raised to a multiple of every codec's token group.
+    """
+
+    scheme: Scheme
+    key_codec: Codec
+    value_codec: Codec
+    block_size: int
+    requested_block_size: int
+    sliding_window: int | None
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def build(
+        cls,
+        scheme: Scheme,
+        *,
+        heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        block_size: int = 16,
+        sliding_window: int | None = None,
+        layer: int | None = None,
+        calib=None,
+        rope=None,
+    ) -> LayerPlan:
+        """The plan of a layer with H_kv=heads of head_dim, K/V in dtype; layer, calib and rope give
+        calibrated and pre-RoPE codecs their tables (`kvquant.codec.codec_for`)."""
+        if scheme.layers:
+            raise ValueError("a layer plan takes the layer's uniform scheme: pass scheme.for_layer(i)")
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+        if sliding_window is not None:
+            if sliding_window < 1:
+                raise ValueError(f"sliding_window must be a positive number of tokens, got {sliding_window}")
+            scheme = dataclasses.replace(scheme, sink=0)  # one rule, in every mode: no sinks when sliding
+        ctx = dict(layer=layer, calib=calib, rope=rope)
+        kc = codec_for(scheme.key, heads, head_dim, dtype, role="k", **ctx)
+        vc = codec_for(scheme.value, heads, head_dim, dtype, role="v", **ctx)
+        bs = math.lcm(block_size, kc.token_group, vc.token_group)
+        return cls(scheme, kc, vc, bs, block_size, sliding_window, heads, head_dim, dtype)
+
+    # ---- the storage rule
+
+    @property
+    def sink(self) -> int:
+        return self.scheme.sink
+
+    @property
+    def window(self) -> int:
+        return self.scheme.window
+
+    @property
+    def flush_step(self) -> int:
+        """Tokens move from the window to the body in multiples of this."""
+        return self.scheme.tokens_per_flush
+
+    def quantized_end(self, num_tokens: int) -> int:
+        """After num_tokens tokens, positions [min(sink, n), quantized_end) are in the body."""
+        return self.scheme.quantized_end(num_tokens)
+
+    def quantized_ends(self, num_tokens: torch.Tensor) -> torch.Tensor:
+        """`quantized_end` of every count in an integer tensor, at once (the same formula)."""
+        sink = num_tokens.clamp(max=self.sink)
+        step = self.flush_step
+        return sink + (num_tokens - sink - self.window).clamp(min=0) // step * step
+
+    def dropped(self, num_tokens: int) -> int:
+        """Positions below this are released after num_tokens tokens (sliding layers; 0 otherwise): the next
+        query attends to positions >= num_tokens - window + 1, rounded down to a page."""
+        if self.sliding_window is None:
+            return 0
+        return max(num_tokens - self.sliding_window + 1, 0) // self.block_size * self.block_size
+
+    # ---- page formats and sizes
+
+    def fp_fields(self, dtype: torch.dtype | None = None) -> dict[str, Field]:
+        f = Field(self.heads, 1, self.head_dim, dtype or self.dtype)
+        return {"k": f, "v": f}
+
+    def body_fields(self) -> dict[str, Field]:
+        """The body page's fields: K's and V's codec fields under one page id ("k.codes", "v.scale", ...)."""
+        out = {f"k.{n}": f for n, f in self.key_codec.fields().items()}
+        return out | {f"v.{n}": f for n, f in self.value_codec.fields().items()}
+
+    def page_bytes(self, dtype: torch.dtype | None = None) -> tuple[int, int]:
+        """(FP page, body page) bytes at `dtype` (default the plan's: what the pools hold)."""
+        fp = sum(f.nbytes(self.block_size) for f in self.fp_fields(dtype).values())
+        if dtype is None or dtype == self.dtype:
+            kc, vc = self.key_codec, self.value_codec
+        else:
+            kc = codec_for(self.key_codec.spec, self.heads, self.head_dim, dtype)
+            vc = codec_for(self.value_codec.spec, self.heads, self.head_dim, dtype)
+        return fp, kc.bytes(self.block_size) + vc.bytes(self.block_size)
+
+    def pages_for(self, num_tokens: int) -> tuple[int, int]:
+        """(FP pages, body pages) one sequence holds after num_tokens tokens, as the store holds them."""
+        bs, s = self.block_size, self.sink
+        sink = min(s, num_tokens)
+        body_end = self.quantized_end(num_tokens)
+        dropped = self.dropped(num_tokens)
+        body_lo, body_hi = max(dropped - s, 0), max(body_end - s, 0)
+        recent_lo, recent_hi = max(body_end, dropped) - s, num_tokens - s
+        fp = _pages(0, sink, bs) + _pages(recent_lo, recent_hi, bs)
+        return fp, _pages(body_lo, body_hi, bs)
+
+    def bytes_for(self, num_tokens: int, dtype: torch.dtype | None = None) -> int:
+        """Bytes one sequence holds after num_tokens tokens (whole pages) at `dtype`."""
+        fp_page, body_page = self.page_bytes(dtype)
+        fp, body = self.pages_for(num_tokens)
+        return fp * fp_page + body * body_page
+
+    @property
+    def max_fp_pages(self) -> int:
+        """The most FP pages one sequence holds at any time: the sink's, and a window of at most
+        window + flush_step - 1 tokens over consecutive pages (none for a scheme with neither)."""
+        bs = self.block_size
+        recent = self.window + self.flush_step - 1
+        return -(-self.sink // bs) + (0 if recent <= 0 else -(-recent // bs) + 1)
+
+    def body_pages(self, num_tokens: int) -> int:
+        """Body pages one sequence needs for num_tokens tokens (what `capacity=` preallocates)."""
+        return self.pages_for(num_tokens)[1]
