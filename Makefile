@@ -2,7 +2,7 @@
 PY := .venv/bin/python
 SCHEME ?= int4-g64
 
-.PHONY: setup run quick test test-fast lint gpu-check
+.PHONY: setup run quick test test-fast lint gpu-check docs
 
 setup:
 	./setup.sh
@@ -24,3 +24,7 @@ lint: setup
 
 gpu-check: setup
 	bash benchmarks/gpu_check.sh
+
+# docs/schemes.md from the code's own help (kvquant.scheme.scheme_help() and --list-schemes); tests/test_readme.py checks it
+docs: setup
+	$(PY) docs/generate.py
