@@ -1,22 +1,52 @@
 """A run directory: config.json, results.jsonl (append-only, one line per measured point), summary.csv,
-report.md and plots. Summaries are recomputed from results.jsonl, so a resumed run reports everything."""
+report.md and plots. Summaries are recomputed from results.jsonl, so a resumed run reports everything.
+
+What keeps a run directory sound (shared by `runner`, `retrieval` and `serve`):
+- `RunLock`: an advisory lock (fcntl.flock) on `.kvquant.lock` in the directory, held for the run's life; a
+  second process into the same directory is refused at once, naming the holder's pid. A killed holder's lock
+  is released by the kernel, so a stale lock file never blocks.
+- every results.jsonl line carries `_sha`, a digest of the canonical JSON of the rest of its row: a line torn
+  by a kill, a foreign line (`null`, `42`, `{}`) or an edited row is ignored on reading, with one warning,
+  and its point is measured again; a line appended after a torn one starts on a line of its own. Rows
+  written before the digest (no `_sha`) are still read. A point written twice counts once (the first; a
+  conflicting duplicate is logged).
+- `clear_run_dir` (--force) removes only what kvquant writes (`OWN_FILES`, `OWN_PATTERNS`, `OWN_DIRS`) and
+  refuses a directory that holds anything else, naming it.
+- `interrupt_on_sigterm`: SIGTERM (`timeout`, a scheduler) stops a run as Ctrl-C does, so the report and
+  summary of the finished points are written.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import fnmatch
 import hashlib
 import json
 import logging
 import math
 import os
+import socket
+import sys
+import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 
 from . import metrics
 
 __all__ = [
+    "LOCK_NAME",
+    "OWN_FILES",
+    "RunDirError",
+    "RunLock",
+    "clear_run_dir",
+    "foreign_files",
+    "interrupt_on_sigterm",
+    "read_rows",
+    "encode_row",
     "Memory",
     "TokenStore",
     "distribution_table",
@@ -38,37 +68,303 @@ logger = logging.getLogger(__name__)
 SUMMARY_COLUMNS = metrics.SUMMARY_COLUMNS  # declared once, in kvquant.eval.metrics
 
 
+# ----------------------------------------------------------------------------------- the run directory
+
+LOCK_NAME = ".kvquant.lock"
+# what kvquant writes in a run directory: --force removes these and nothing else
+OWN_FILES = frozenset(
+    {
+        "config.json",
+        "results.jsonl",
+        "summary.csv",
+        "report.md",
+        "drift_vs_length.png",
+        "bytes_per_token.png",
+        "serve.png",
+        LOCK_NAME,
+        "config.tmp",  # an atomic write cut short (config.json, summary.csv)
+        "summary.tmp",
+    }
+)
+OWN_PATTERNS = ("heatmap-*.png",)  # retrieval's heatmaps
+# per-token values; W&B's files (it writes under dir=<run_dir>)
+OWN_DIRS = MappingProxyType({"tokens": ("*.npz",), "wandb": ("*",)})
+CHECK_FIELD = "_sha"  # each results.jsonl row's digest of the rest of it
+_KEY_TYPES = MappingProxyType(
+    {"scheme": (str,), "mode": (str,), "doc": (int,), "bucket": (str, type(None)), "status": (str,)}
+)
+
+
+class RunDirError(Exception):
+    """A run directory that cannot be used as asked (in use by another process, or holding foreign files);
+    callers re-raise it as their own input error (RunError, ServeError)."""
+
+
+def _own(rel: Path) -> bool:
+    parts = rel.parts
+    if len(parts) == 1:
+        return parts[0] in OWN_FILES or any(fnmatch.fnmatch(parts[0], p) for p in OWN_PATTERNS)
+    patterns = OWN_DIRS.get(parts[0])
+    return patterns is not None and any(fnmatch.fnmatch(parts[-1], p) for p in patterns)
+
+
+def foreign_files(run_dir: Path) -> list[str]:
+    """What `run_dir` holds that kvquant did not write, relative to it (a foreign folder once, as `name/`);
+    empty for a missing directory. No torch: `config.check_out` may call it."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return []
+    out = []
+    for entry in sorted(run_dir.iterdir()):
+        rel = entry.relative_to(run_dir)
+        if entry.is_dir() and not entry.is_symlink():
+            if entry.name not in OWN_DIRS:
+                out.append(f"{entry.name}/")
+                continue
+            out += [str(p.relative_to(run_dir)) for p in sorted(entry.rglob("*"))
+                    if not p.is_dir() and not _own(p.relative_to(run_dir))]
+        elif not _own(rel):
+            out.append(entry.name)
+    return out
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
+
+
+def clear_run_dir(run_dir: Path) -> list[str]:
+    """--force: remove what kvquant wrote in `run_dir` (its lock file aside, held by the caller) and return
+    the names removed. Raises RunDirError, deleting nothing, when the directory holds anything else."""
+    import shutil
+
+    run_dir = Path(run_dir)
+    foreign = foreign_files(run_dir)
+    if foreign:
+        raise RunDirError(
+            f"--force: {run_dir} holds {len(foreign)} file(s) kvquant did not write ({_listing(foreign)}); "
+            "nothing was deleted. --force removes only kvquant's own files: move those elsewhere, or "
+            "choose another --out"
+        )
+    removed = []
+    for entry in sorted(run_dir.iterdir()):
+        if entry.name == LOCK_NAME:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+        removed.append(entry.name)
+    return removed
+
+
+class RunLock:
+    """An advisory lock on `<run_dir>/.kvquant.lock` (fcntl.flock, exclusive, non-blocking), held from
+    `acquire()` to `release()` (or as a context manager). The file holds the holder's pid, host, start and
+    command line, which a refused process names. The kernel drops the lock when its holder dies, even by
+    kill -9; the file stays (removing it would let two processes lock two different files)."""
+
+    def __init__(self, run_dir: Path):
+        self.path = Path(run_dir) / LOCK_NAME
+        self._fd: int | None = None
+
+    def acquire(self) -> RunLock:
+        try:
+            import fcntl
+        except ImportError:  # not POSIX: nothing to lock with
+            logger.warning("no fcntl here: %s is not locked against a second process", self.path.parent)
+            return self
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            holder = self._holder(fd)
+            os.close(fd)
+            raise RunDirError(
+                f"{self.path.parent} is in use by another kvquant process ({holder}); wait for it to "
+                "finish or stop it, then rerun to resume (its measured points are kept), or pass another "
+                "--out to run beside it"
+            ) from None
+        info = {
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "since": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "argv": sys.argv,
+        }
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
+        self._fd = fd
+        return self
+
+    @staticmethod
+    def _holder(fd: int) -> str:
+        try:
+            info = json.loads(os.pread(fd, 1 << 16, 0).decode())
+            return f"pid {info['pid']} on {info['host']}, since {info['since']}"
+        except (OSError, ValueError, KeyError, TypeError):
+            return "pid unknown: it has just started"
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        import fcntl
+
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> RunLock:
+        return self.acquire() if self._fd is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+@contextlib.contextmanager
+def interrupt_on_sigterm() -> Iterator[None]:
+    """Inside the block SIGTERM raises KeyboardInterrupt once (later ones are logged while the finished
+    points are written), so `timeout` or a scheduler's stop leaves the same report and summary as Ctrl-C.
+    The previous handler is restored on leaving. Outside the main thread signals cannot be caught: no-op."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    fired = []
+
+    def on_term(signum, frame):
+        if fired:
+            logger.warning("SIGTERM again: still writing what was measured")
+            return
+        fired.append(signum)
+        logger.warning("SIGTERM: stopping; writing what was measured (as Ctrl-C does)")
+        raise KeyboardInterrupt("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _canonical(row: Mapping) -> bytes:
+    return json.dumps(row, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
+
+
+def row_digest(row: Mapping) -> str:
+    """The digest a results.jsonl line carries: sha256 of the row's canonical JSON (sorted keys, no spaces;
+    `_sha` itself excluded), 16 hex digits."""
+    return hashlib.sha256(_canonical({k: v for k, v in row.items() if k != CHECK_FIELD})).hexdigest()[:16]
+
+
+def encode_row(row: Mapping) -> str:
+    """One results.jsonl line (no newline): the row and its digest."""
+    body = {k: v for k, v in row.items() if k != CHECK_FIELD}
+    return json.dumps({**body, CHECK_FIELD: row_digest(body)})
+
+
+def _parse_line(raw: bytes, required: Mapping[str, tuple[type, ...]] | None) -> tuple[dict | None, str]:
+    """(row, "") or (None, why the line is not one)."""
+    try:
+        row = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None, "not JSON (torn by a kill, or foreign)"
+    if not isinstance(row, dict) or not row:
+        return None, f"not a row ({raw[:20].decode('utf-8', 'replace')!r})"
+    for name, types in (required or {}).items():
+        if name not in row or not isinstance(row[name], types) or isinstance(row[name], bool):
+            return None, f"not a row (no valid {name!r})"
+    sha = row.pop(CHECK_FIELD, None)
+    if sha is not None and sha != row_digest(row):
+        return None, "checksum mismatch (edited or damaged)"
+    return row, ""
+
+
+def read_rows(
+    path: Path,
+    key: Callable[[dict], tuple] | None = None,
+    required: Mapping[str, tuple[type, ...]] | None = None,
+) -> tuple[list[dict], bool]:
+    """The rows of a results.jsonl file, in order, and whether its last line is torn (no final newline).
+
+    Lines that are not rows (not JSON, not an object, lacking a `required` field of the right type) or whose
+    `_sha` does not match are skipped; rows with the same `key` after the first are dropped (identical ones
+    silently, conflicting ones logged). All of it is said in one warning per file."""
+    data = path.read_bytes() if path.is_file() else b""
+    rows: list[dict] = []
+    bad: list[str] = []
+    seen: dict[tuple, dict] = {}
+    conflicts: list[str] = []
+    for n, raw in enumerate(data.split(b"\n"), 1):
+        raw = raw.strip()
+        if not raw:
+            continue
+        row, why = _parse_line(raw, required)
+        if row is None:
+            bad.append(f"line {n}: {why}")
+            continue
+        if key is not None:
+            k = key(row)
+            if k in seen:
+                if seen[k] != row:
+                    conflicts.append(f"line {n}: {k}")
+                continue
+            seen[k] = row
+        rows.append(row)
+    if bad or conflicts:
+        parts = []
+        if bad:
+            parts.append(f"{len(bad)} line(s) ignored ({_listing(bad, 5)})")
+        if conflicts:
+            parts.append(
+                f"{len(conflicts)} conflicting duplicate point(s), the first kept ({_listing(conflicts, 5)})"
+            )
+        logger.warning("%s: %s; points without a valid row are measured again", path, "; ".join(parts))
+    return rows, bool(data) and not data.endswith(b"\n")
+
+
 class ResultsFile:
-    """results.jsonl: appended and flushed (fsync) line by line, so an interrupted run keeps every point."""
+    """results.jsonl: appended and flushed (fsync) line by line, so an interrupted run keeps every point.
+
+    Each line carries its digest (`encode_row`); `read_rows` skips torn, foreign and edited lines and counts
+    each point once. Rows in `rows` are as written, without the digest."""
 
     def __init__(self, path: Path):
         self.path = path
-        self.rows: list[dict] = []
-        if path.is_file():
-            with path.open(encoding="utf-8") as f:
-                for n, line in enumerate(f):
-                    line = line.strip()
-                    if not line:
-                        continue
-                    try:
-                        self.rows.append(json.loads(line))
-                    except json.JSONDecodeError:  # a line cut by a kill: dropped, it will be measured again
-                        logger.warning("%s:%d: unreadable line dropped", path, n + 1)
+        self.rows, self._torn_tail = read_rows(path, self._dedup_key, _KEY_TYPES)
         self._done = {self.key(r) for r in self.rows if r.get("status") == "ok"}
+        self._keys = {self._dedup_key(r) for r in self.rows}
 
     @staticmethod
     def key(row: dict) -> tuple:
         return row["scheme"], row["mode"], row["doc"], row["bucket"]
 
+    @classmethod
+    def _dedup_key(cls, row: dict) -> tuple:
+        # a measured point once; a failed or skipped record once per point and status (a resume repeats them)
+        return (*cls.key(row), row["status"] if row["status"] != "ok" else "ok")
+
     def has(self, scheme: str, mode: str, doc: int, bucket: str) -> bool:
         return (scheme, mode, doc, bucket) in self._done
 
     def append(self, row: dict) -> None:
+        """Write `row` (flushed, fsync'd) unless its point (or, failed or skipped, its record) is already
+        there: a results file never holds a point twice by kvquant's hand."""
+        row = {k: v for k, v in row.items() if k != CHECK_FIELD}
+        key = self._dedup_key(row)
+        if key in self._keys:
+            logger.debug("%s: %s already recorded; not written again", self.path, key)
+            return
         with self.path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+            if self._torn_tail:  # never continue a torn line: the new row gets a line of its own
+                f.write("\n")
+            f.write(encode_row(row) + "\n")
             f.flush()
             os.fsync(f.fileno())
+        self._torn_tail = False
         self.rows.append(row)
+        self._keys.add(key)
         if row.get("status") == "ok":
             self._done.add(self.key(row))
 

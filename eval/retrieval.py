@@ -352,31 +352,37 @@ def run_retrieval(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Pat
     run_dir = run_dir_for(config, identity)
     grid = _grown_grid(run_dir, identity, requested, config.force)
     config_json = _config_json(config, identity, grid, schemes, probes)
-    runner._prepare_dir(run_dir, config_json, identity, config.force, ignore=GRID_KEYS)
-    results = res.ResultsFile(run_dir / "results.jsonl")
-    asked = _points(requested, config.modes, schemes)
-    done = sum(results.has(*p) for p in asked)
-    if done:
-        logger.info("resuming: %d of %d points already measured in %s", done, len(asked), run_dir)
-    else:
-        logger.info("measuring %d points (%s) into %s", len(asked), config.task, run_dir)
-    points = _points(grid, config.modes, schemes)  # progress is over the run's whole grid
-    torch.manual_seed(config.seed)
-    interrupted = False
-    t0 = time.perf_counter()
+    lock = runner._prepare_dir(run_dir, config_json, identity, config.force, ignore=GRID_KEYS)
     try:
-        _measure(config, model, schemes, probes, results)
-    except KeyboardInterrupt:
-        interrupted = True
+        results = res.ResultsFile(run_dir / "results.jsonl")
+        asked = _points(requested, config.modes, schemes)
+        done = sum(results.has(*p) for p in asked)
+        if done:
+            logger.info("resuming: %d of %d points already measured in %s", done, len(asked), run_dir)
+        else:
+            logger.info("measuring %d points (%s) into %s", len(asked), config.task, run_dir)
+        points = _points(grid, config.modes, schemes)  # progress is over the run's whole grid
+        torch.manual_seed(config.seed)
+        interrupted = False
+        t0 = time.perf_counter()
+        with res.interrupt_on_sigterm():  # SIGTERM ends the run as Ctrl-C does
+            try:
+                _measure(config, model, schemes, probes, results)
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                logger.info("measured in %.1f s", time.perf_counter() - t0)
+                failed = {(r["scheme"], r["mode"]) for r in results.rows if r.get("status") == "failed"}
+                progress = Progress(
+                    sum(results.has(*p) for p in points),
+                    len(points),
+                    sum(not results.has(*p) and (p[0], p[1]) in failed for p in points),
+                )
+                summary = _write_outputs(
+                    run_dir, results.rows, schemes, model.config, config, config_json, progress
+                )
     finally:
-        logger.info("measured in %.1f s", time.perf_counter() - t0)
-        failed = {(r["scheme"], r["mode"]) for r in results.rows if r.get("status") == "failed"}
-        progress = Progress(
-            sum(results.has(*p) for p in points),
-            len(points),
-            sum(not results.has(*p) and (p[0], p[1]) in failed for p in points),
-        )
-        summary = _write_outputs(run_dir, results.rows, schemes, model.config, config, config_json, progress)
+        lock.release()
     if interrupted:
         raise RunInterrupted(run_dir, progress)
     return run_dir, summary

@@ -111,9 +111,61 @@ def check_config(config: ServeConfig) -> None:
         raise ServeError(f"unknown --wandb mode {config.wandb!r}; known: {', '.join(WANDB_MODES)}")
     if config.dtype not in ("float32", "float64", "bfloat16", "float16"):
         raise ServeError(f"--dtype must be float32, float64, bfloat16 or float16, got {config.dtype!r}")
-    if config.out and Path(config.out).exists() and any(Path(config.out).iterdir()) and not config.force:
+    if config.out:
+        _check_run_dir(Path(config.out), config)
+
+
+def identity(config: ServeConfig) -> dict:
+    """What decides a serve run's rows: two runs with equal identities share a directory (resume)."""
+    ident = {k: v for k, v in asdict(config).items() if k not in ("out", "force", "wandb", "extra")}
+    return json.loads(json.dumps(ident, default=str))  # tuples as lists, as config.json holds them
+
+
+def _check_run_dir(run_dir: Path, config: ServeConfig) -> None:
+    """Read-only: refuse a --out that is a file, a folder that is not a serve run, one of another
+    configuration (unless --force), or --force over a folder holding files kvquant did not write."""
+    from . import results as res
+
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ServeError(f"--out {run_dir} is a file; name a folder for the run directory")
+    foreign = res.foreign_files(run_dir)
+    cfg = run_dir / "config.json"
+    if foreign and not cfg.is_file():
         raise ServeError(
-            f"{config.out} exists and is not empty; pass --force to replace it or choose another --out"
+            f"{run_dir} exists and is not a kvquant run directory (it holds {res._listing(foreign)}); "
+            "choose another --out (--force removes only files kvquant wrote, so it leaves such a folder "
+            "alone)"
+        )
+    if config.force:
+        if foreign:
+            raise ServeError(
+                f"--force: {run_dir} holds {len(foreign)} file(s) kvquant did not write "
+                f"({res._listing(foreign)}); nothing was deleted. --force removes only kvquant's own files: "
+                "move those elsewhere, or choose another --out"
+            )
+        return
+    if not cfg.is_file():
+        return
+    try:
+        held = json.loads(cfg.read_text(encoding="utf-8"))
+        held_identity = held["identity"] if held.get("kind") == "serve" else None
+    except (OSError, UnicodeDecodeError, ValueError, AttributeError, KeyError, TypeError):
+        held_identity = None
+    if held_identity is None:
+        raise ServeError(
+            f"{run_dir} holds another kind of run, or a serve run from before resumable rows; pass --force "
+            "to replace it, or --out to write elsewhere"
+        )
+    want = identity(config)
+    if held_identity != want:
+        diff = "; ".join(
+            f"{k}: {held_identity.get(k)!r} -> {want.get(k)!r}"
+            for k in sorted(set(held_identity) | set(want))
+            if held_identity.get(k) != want.get(k)
+        )
+        raise ServeError(
+            f"{run_dir} holds a serve run with a different configuration ({diff}); pass --force to replace "
+            "it, or --out to write elsewhere"
         )
 
 
@@ -419,68 +471,161 @@ def run_dir_for(config: ServeConfig) -> Path:
         return Path(config.out)
     import hashlib
 
-    ident = {k: v for k, v in asdict(config).items() if k not in ("out", "force", "wandb", "extra")}
-    digest = hashlib.sha1(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:8]
+    digest = hashlib.sha1(json.dumps(identity(config), sort_keys=True).encode()).hexdigest()[:8]
     return Path("runs") / f"serve-N{config.requests}-C{config.context}-P{config.shared_tokens}-{digest}"
 
 
+Point = tuple[str, str, str]  # (scheme, prefix cache, policy): one summary row
+
+
+def plan(config: ServeConfig) -> list[Point]:
+    """Every summary row a complete run measures, in order (a scheme's eviction rows after its prefix-cache
+    row without a budget, whose peak sets their budget)."""
+    rows = [("off", "none"), (config.index, "none")] + [(config.index, p) for p in config.policies]
+    return [(scheme, prefix, policy) for scheme in config.schemes for prefix, policy in rows]
+
+
+def completed(run_dir: Path) -> dict[Point, dict]:
+    """The rows of points already measured in run_dir: each point's `row` line (the last of its lines, all
+    written at once), the first if a point was written twice. Torn or foreign lines are skipped."""
+    from . import results as res
+
+    rows, _ = res.read_rows(run_dir / "results.jsonl", required={"kind": (str,)})
+    done: dict[Point, dict] = {}
+    for r in rows:
+        if r["kind"] == "row" and isinstance(r.get("summary"), dict):
+            done.setdefault((r.get("scheme"), r.get("prefix_cache"), r.get("policy")), r)
+    return done
+
+
+def _open_run_dir(run_dir: Path, config: ServeConfig):
+    """Lock run_dir (refusing a second process), check it again under the lock, clear it on --force (only
+    kvquant's files). Returns the held lock."""
+    from . import results as res
+
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = res.RunLock(run_dir).acquire()
+    except res.RunDirError as e:
+        raise ServeError(str(e)) from None
+    except OSError as e:
+        raise ServeError(f"cannot use {run_dir} as the run directory: {e.strerror or e}") from None
+    try:
+        _check_run_dir(run_dir, config)
+        if config.force:
+            removed = res.clear_run_dir(run_dir)
+            if removed:
+                logger.warning("--force: removed %s from %s", ", ".join(removed), run_dir)
+    except res.RunDirError as e:
+        lock.release()
+        raise ServeError(str(e)) from None
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
 def run(config: ServeConfig, *, model=None, tokenizer=None) -> tuple[Path, list[dict]]:
-    """The whole simulation; returns (run directory, summary rows)."""
+    """The whole simulation; returns (run directory, summary rows).
+
+    Resumable as `experiments/run.py`: each summary row's lines (requests, timeline, fit probe, paired TTFT
+    and the row itself) are appended at once, flushed and fsync'd; rerunning the same command (after Ctrl-C,
+    SIGTERM or kill -9) measures only the rows missing. The directory is locked for the run's life."""
     check_config(config)
     import torch
 
     if config.threads:
         torch.set_num_threads(config.threads)
+    run_dir = run_dir_for(config)
+    lock = _open_run_dir(run_dir, config)
+    try:
+        return _run_locked(config, run_dir, model, tokenizer)
+    finally:
+        lock.release()
+
+
+def _run_locked(config: ServeConfig, run_dir: Path, model, tokenizer) -> tuple[Path, list[dict]]:
+    import torch
+
     from kvquant import memory
     from kvquant.serving import Engine
 
-    run_dir = run_dir_for(config)
-    if run_dir.exists() and any(run_dir.iterdir()):
-        if not config.force:
-            raise ServeError(f"{run_dir} exists; pass --force to replace it or --out to write elsewhere")
-        import shutil
+    from . import results as res
 
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    model, tokenizer = _load(config, model, tokenizer)
+    points = plan(config)
+    done = completed(run_dir)
+    todo = [p for p in points if p not in done]
+    cfg_path = run_dir / "config.json"
+    if done or cfg_path.is_file():
+        logger.info(
+            "resuming: %d of %d rows already measured in %s; %d to measure", len(points) - len(todo),
+            len(points), run_dir, len(todo),
+        )
     t_start = time.perf_counter()
-    workload = build_workload(
-        tokenizer, max(config.requests, 2), config.context, config.shared_tokens, config.seed
-    )
-    workload = workload[: config.requests]
-    logger.info(
-        "reference: FP16 greedy replies of %d requests (%d + %d tokens)",
-        len(workload),
-        config.context,
-        config.reply,
-    )
-    refs = reference_replies(model, workload, config.reply)
-    # the fit probe needs more distinct requests than the simulation
-    probe = build_workload(tokenizer, config.fit_max, config.context, config.shared_tokens, config.seed + 1)
-    cfg_json = asdict(config) | {
-        "kind": "serve",
-        "shared_tokens": config.shared_tokens,
+    if todo:
+        model, tokenizer = _load(config, model, tokenizer)
+        workload = build_workload(
+            tokenizer, max(config.requests, 2), config.context, config.shared_tokens, config.seed
+        )
+        workload = workload[: config.requests]
+        logger.info(
+            "reference: FP16 greedy replies of %d requests (%d + %d tokens)",
+            len(workload),
+            config.context,
+            config.reply,
+        )
+        refs = reference_replies(model, workload, config.reply)
+        # the fit probe needs more distinct requests than the simulation
+        probe = build_workload(
+            tokenizer, config.fit_max, config.context, config.shared_tokens, config.seed + 1
+        )
+        fp16_request = memory.cache_bytes(model.config, "fp16", config.context, block_size=config.block_size)
+        fit_budget = config.fit_fp16_requests * fp16_request
+    now = {
         "torch": torch.__version__,
         "num_threads": torch.get_num_threads(),
         "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-        "bytes": "FP16 (deployment) bytes of pages held in the shared store",
     }
-    (run_dir / "config.json").write_text(json.dumps(cfg_json, indent=2, default=str))
-    results = (run_dir / "results.jsonl").open("a", encoding="utf-8")
+    if cfg_path.is_file():
+        cfg_json = json.loads(cfg_path.read_text(encoding="utf-8"))
+        cfg_json.setdefault("resumed", []).append(
+            now | {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows_left": len(todo)}
+        )
+    else:
+        cfg_json = asdict(config) | {
+            "kind": "serve",
+            "identity": identity(config),
+            "shared_tokens": config.shared_tokens,
+            **now,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "bytes": "FP16 (deployment) bytes of pages held in the shared store",
+        }
+    tmp = cfg_path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(cfg_json, indent=2, default=str))
+    tmp.replace(cfg_path)
+    results = run_dir / "results.jsonl"
+    _, torn = res.read_rows(results, required={"kind": (str,)}) if results.is_file() else ([], False)
     summary: list[dict] = []
-    fp16_request = memory.cache_bytes(model.config, "fp16", config.context, block_size=config.block_size)
-    fit_budget = config.fit_fp16_requests * fp16_request
-    try:
-        for scheme in config.schemes:
-            plan = [("off", "none"), (config.index, "none")] + [(config.index, p) for p in config.policies]
-            unbudgeted: RowResult | None = None
-            for prefix, policy in plan:
+    unbudgeted: dict[str, RowResult] = {}  # per scheme: its prefix-cache row without a budget
+    finished = False
+    with res.interrupt_on_sigterm():  # SIGTERM ends the run as Ctrl-C does: what was measured is written
+        try:
+            for scheme, prefix, policy in points:
+                label = dict(scheme=scheme, prefix_cache=prefix, policy=policy)
+                held = done.get((scheme, prefix, policy))
+                if held is not None:
+                    summary.append(held["summary"])
+                    if prefix != "off" and policy == "none":
+                        unbudgeted[scheme] = RowResult(
+                            scheme, prefix, policy, None, peak_bytes=int(held["peak_bytes"]),
+                            running_peak_bytes=int(held["running_peak_bytes"]),
+                        )
+                    continue
                 budget = (
                     None
                     if policy == "none"
-                    else _forcing_budget(unbudgeted, config.budget_fraction, model, config.block_size)
+                    else _forcing_budget(unbudgeted[scheme], config.budget_fraction, model, config.block_size)
                 )
-                label = dict(scheme=scheme, prefix_cache=prefix, policy=policy)
                 logger.info("%s", label | {"budget_bytes": budget})
                 engine = Engine(
                     model,
@@ -492,12 +637,15 @@ def run(config: ServeConfig, *, model=None, tokenizer=None) -> tuple[Path, list[
                 )
                 row = simulate(engine, workload, refs, config.concurrency, label)
                 if prefix != "off" and policy == "none":
-                    unbudgeted = row
+                    unbudgeted[scheme] = row
                 if engine.index is not None:
                     engine.index.clear()
                 engine.store.check()
                 if engine.store.pages_in_use():
                     raise RuntimeError(f"{engine.store.pages_in_use()} pages still in use after {label}")
+                attempt = f"{os.getpid()}-{time.time_ns()}"  # the lines of this measurement of the point
+                tag = label | {"attempt": attempt}
+                lines: list[dict] = []
                 fit = None
                 if policy == "none" and config.fit_fp16_requests:
                     share = 0 if prefix == "off" else config.shared_tokens
@@ -514,49 +662,68 @@ def run(config: ServeConfig, *, model=None, tokenizer=None) -> tuple[Path, list[
                         model.config, scheme, fit_budget, config.context, share, block_size=config.block_size
                     ).requests
                     fit = (measured, formula, fit_budget)
-                    results.write(
-                        json.dumps(
-                            label
-                            | {
-                                "kind": "fit",
-                                "measured": measured,
-                                "formula": formula,
-                                "budget_bytes": fit_budget,
-                            }
-                        )
-                        + "\n"
+                    lines.append(
+                        tag | dict(kind="fit", measured=measured, formula=formula, budget_bytes=fit_budget)
                     )
                 paired = None
                 if policy == "none" and prefix != "off" and len(workload) > 1:
                     paired = paired_ttft(model, scheme, workload, prefix, config.block_size)
-                    results.write(
-                        json.dumps(label | {"kind": "ttft_pair", "hit_s": paired[0], "miss_s": paired[1]})
-                        + "\n"
-                    )
-                for r in row.requests:
-                    results.write(json.dumps(label | {"kind": "request"} | r) + "\n")
-                for t in row.timeline:
-                    results.write(json.dumps(label | {"kind": "timeline"} | t) + "\n")
-                results.flush()
-                summary.append(_summary_row(row, fit, paired))
-    finally:
-        results.close()
-        if summary:
-            write_outputs(run_dir, summary, config)
+                    lines.append(tag | {"kind": "ttft_pair", "hit_s": paired[0], "miss_s": paired[1]})
+                lines += [tag | {"kind": "request"} | r for r in row.requests]
+                lines += [tag | {"kind": "timeline"} | t for t in row.timeline]
+                srow = _summary_row(row, fit, paired)
+                lines.append(
+                    tag
+                    | {
+                        "kind": "row",
+                        "summary": srow,
+                        "peak_bytes": row.peak_bytes,
+                        "running_peak_bytes": row.running_peak_bytes,
+                    }
+                )
+                _append_lines(results, lines, torn)
+                torn = False
+                summary.append(srow)
+            finished = True
+        finally:
+            if summary:
+                write_outputs(run_dir, summary, config, None if finished else (len(summary), len(points)))
     logger.info("simulation took %.0f s", time.perf_counter() - t_start)
     return run_dir, summary
+
+
+def _append_lines(path: Path, rows: list[dict], torn: bool) -> None:
+    """One point's lines in one write, flushed and fsync'd (a kill leaves them whole or without their
+    `row` line, and then the point is measured again); a newline first after a torn last line."""
+    from . import results as res
+
+    text = ("\n" if torn else "") + "".join(res.encode_row(r) + "\n" for r in rows)
+    with path.open("a", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 # ----------------------------------------------------------------------------------------- outputs
 
 
-def write_outputs(run_dir: Path, summary: list[dict], config: ServeConfig) -> None:
+def write_outputs(
+    run_dir: Path, summary: list[dict], config: ServeConfig, partial: tuple[int, int] | None = None
+) -> None:
+    """summary.csv, report.md and serve.png; partial = (rows measured, rows in all) when the run stopped
+    early (the report says so and how to resume)."""
     with (run_dir / "summary.csv").open("w", newline="", encoding="utf-8") as f:
-        w = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS)
+        w = csv.DictWriter(f, fieldnames=SUMMARY_COLUMNS, extrasaction="ignore")
         w.writeheader()
         for r in summary:
             w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
-    (run_dir / "report.md").write_text(markdown_table(summary, config) + "\n", encoding="utf-8")
+    head = (
+        f"**partial: {partial[0]} of {partial[1]} rows measured** (interrupted; rerun the same command to "
+        "resume)\n\n"
+        if partial
+        else ""
+    )
+    (run_dir / "report.md").write_text(head + markdown_table(summary, config) + "\n", encoding="utf-8")
     try:
         plot(run_dir, summary)
     except Exception as e:  # noqa: BLE001 - a plot never costs the results
@@ -621,7 +788,14 @@ def plot(run_dir: Path, summary: list[dict]) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in (run_dir / "results.jsonl").read_text().splitlines() if line.strip()]
+    from . import results as res
+
+    lines, _ = res.read_rows(run_dir / "results.jsonl", required={"kind": (str,)})
+    def measurement(r: dict) -> tuple:
+        return r.get("scheme"), r.get("prefix_cache"), r.get("policy"), r.get("attempt")
+
+    finished = {measurement(r) for r in completed(run_dir).values()}
+    rows = [r for r in lines if measurement(r) in finished]  # a point's lines of its kept measurement
     schemes = list(dict.fromkeys(r["scheme"] for r in summary))
     fig, axes = plt.subplots(1, len(schemes) + 1, figsize=(5 * (len(schemes) + 1), 4.2), squeeze=False)
     for ax, scheme in zip(axes[0], schemes, strict=False):

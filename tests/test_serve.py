@@ -4,6 +4,7 @@ the capacity calculator against the 130 GB figure and against bytes measured in 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import subprocess
 import sys
@@ -87,11 +88,15 @@ def test_simulation_writes_a_run_directory(model, tmp_path):
     assert int(fp16["radix"]["fit_requests"]) > int(fp16["off"]["fit_requests"])
     assert any(int(r["evicted_pages"]) > 0 for r in rows if r["policy"] in ("lru", "radix-lru"))
     kinds = {json.loads(line)["kind"] for line in (run_dir / "results.jsonl").read_text().splitlines()}
-    assert kinds == {"request", "timeline", "fit", "ttft_pair"}
+    assert kinds == {"request", "timeline", "fit", "ttft_pair", "row"}  # "row": a point measured whole
     assert (run_dir / "serve.png").is_file() and (run_dir / "config.json").is_file()
     assert "TTFT of a prefix hit / a miss" in (run_dir / "report.md").read_text()
-    with pytest.raises(serve.ServeError, match="exists and is not empty; pass --force"):
-        serve.run(config, model=model, tokenizer=_Tokenizer())
+    # the same command again resumes: every row is there, nothing is measured, the summary is the same
+    before = (run_dir / "results.jsonl").read_text()
+    _, again = serve.run(config, model=None, tokenizer=None)  # no model needed: nothing is left to measure
+    assert again == summary and (run_dir / "results.jsonl").read_text() == before
+    with pytest.raises(serve.ServeError, match="different configuration .*reply: 4 -> 5.*pass --force"):
+        serve.run(dataclasses.replace(config, reply=5), model=model, tokenizer=_Tokenizer())
 
 
 @pytest.mark.parametrize(
