@@ -120,6 +120,17 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+MAX_SEED = 2**32 - 1  # random.Random takes any int, but torch.manual_seed and numpy stop at 64 / 32 bits
+
+
+def check_seed(seed: int, flag: str = "--seed") -> None:
+    """A seed every generator the run seeds accepts (torch, numpy, random): 0 .. 2**32 - 1."""
+    if not _is_int(seed):
+        raise TypeError(f"{flag} must be an int, not {type(seed).__name__} {seed!r}")
+    if not 0 <= seed <= MAX_SEED:
+        raise RunError(f"{flag} {seed} must lie in 0..{MAX_SEED} (2**32 - 1, what torch and numpy seed with)")
+
+
 def _positive(name: str, value: int | None, minimum: int, why: str) -> None:
     if value is None:
         return
@@ -196,6 +207,12 @@ class RunConfig:
         _positive("--tokens", self.tokens, 1, "the token budget")
         if not _is_int(self.seed):
             raise TypeError(f"--seed must be an int, not {type(self.seed).__name__} {self.seed!r}")
+        check_seed(self.seed)
+        if self.prefill is not None and "prefill" not in self.modes:
+            raise RunError(
+                f"--prefill {self.prefill} applies to prefill mode only, and --mode {self.mode} measures "
+                f"{', '.join(self.modes)}; add --mode prefill (or all), or drop --prefill"
+            )
         if self.docs is not None and self.tokens is not None:
             raise RunError("give --docs or --tokens, not both")
 
@@ -275,9 +292,145 @@ def check_inputs(config: RunConfig, *, check_model: bool = True) -> list:
     schemes = resolve_schemes(config.schemes)
     if check_model:
         check_model_path(config.model)
+        check_fits(config, schemes, model_facts(config.model))
+    check_quantizes(config, schemes)
     check_corpus(config.corpus)
     check_out(config.out, config.force)
     return schemes
+
+
+def check_fits(config: RunConfig, schemes, facts: ModelFacts) -> None:
+    """What the model's config file says, before its weights are loaded: --max-length (or the retrieval
+    lengths) within its positions, per-layer schemes covering its layers, token groups it can fill."""
+    from kvquant.scheme import SchemeError
+
+    longest = max(config.grid_lengths) if config.is_retrieval else config.max_length
+    flag = "--lengths" if config.is_retrieval else "--max-length"
+    if facts.positions is not None and longest > facts.positions:
+        raise RunError(
+            f"{flag} {longest} is beyond the model's {facts.positions} positions ({facts.source}); "
+            f"use at most {flag} {facts.positions}"
+        )
+    for s in schemes:
+        scheme = getattr(s, "scheme", None)
+        if scheme is None:
+            continue  # a peer: checked when its cache is built
+        try:
+            if facts.layers is not None:
+                scheme.check_num_layers(facts.layers)
+            if facts.positions is not None:
+                scheme.check_positions(facts.positions)
+        except SchemeError as e:
+            raise RunError(f"scheme {scheme}: {e} ({facts.source})") from None
+
+
+def check_quantizes(config: RunConfig, schemes) -> None:
+    """Refuse a kvquant scheme that would quantize nothing at this length (its sink and window hold every
+    token, or its token group never fills): it would report the bits of a scheme never applied."""
+    length = max(config.grid_lengths) if config.is_retrieval else config.max_length
+    flag = "--lengths" if config.is_retrieval else "--max-length"
+    for s in schemes:
+        scheme = getattr(s, "scheme", None)
+        if scheme is None or scheme.is_fp16:
+            continue
+        layers = [scheme.for_layer(r.first) for r in scheme.layers] or [scheme]
+        if all(la.is_fp16 or la.quantized_end(length) <= min(la.sink, length) for la in layers):
+            group = scheme.tokens_per_flush
+            after = f" (and whole groups of {group} tokens must fit after them)" if group > 1 else ""
+            raise RunError(
+                f"scheme {scheme} quantizes nothing at {flag} {length}: sink={scheme.sink} and "
+                f"window={scheme.window} keep every token unquantized{after}, so it would report the bits "
+                f"of a scheme never applied; lower window/sink, use a smaller group, or raise {flag}"
+            )
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a model's config file says (None: unknown), read without loading weights or torch."""
+
+    positions: int | None = None
+    layers: int | None = None
+    source: str = "unknown"
+
+
+def model_facts(model: str | None) -> ModelFacts:
+    """max_position_embeddings and num_hidden_layers of a model folder's config.json, or a GGUF's
+    `<arch>.context_length` / `<arch>.block_count` (the header only); ModelFacts() where unknown."""
+    from kvquant.models import check_model_path as resolve
+
+    try:
+        src = resolve(model)
+    except (FileNotFoundError, ValueError):
+        return ModelFacts()
+    folder = Path(src.folder)
+    try:
+        if src.gguf is not None and (folder / src.gguf).is_file():
+            return _gguf_facts(folder / src.gguf)
+        if (folder / "config.json").is_file():
+            import json
+
+            cfg = json.loads((folder / "config.json").read_text())
+            text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
+            pos = text.get("max_position_embeddings", text.get("n_positions"))
+            layers = text.get("num_hidden_layers", text.get("n_layer"))
+            return ModelFacts(
+                pos if _is_int(pos) else None,
+                layers if _is_int(layers) else None,
+                f"from {folder / 'config.json'}",
+            )
+    except (OSError, ValueError, AttributeError):  # unreadable: the loader says why, later
+        return ModelFacts()
+    return ModelFacts()
+
+
+_GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
+
+
+def _gguf_facts(path: Path) -> ModelFacts:
+    """Read GGUF key/values until the architecture's context length and block count are known."""
+    import struct
+
+    def read(f, fmt):
+        size = struct.calcsize(fmt)
+        data = f.read(size)
+        if len(data) != size:
+            raise ValueError("truncated GGUF header")
+        return struct.unpack(fmt, data)[0]
+
+    def string(f) -> bytes:
+        return f.read(read(f, "<Q"))
+
+    def value(f, kind):
+        if kind == 8:
+            return string(f)
+        if kind == 9:  # array: skip it
+            item, n = read(f, "<I"), read(f, "<Q")
+            if item == 8:
+                for _ in range(n):
+                    f.seek(read(f, "<Q"), 1)
+            else:
+                f.seek(_GGUF_SIZES[item] * n, 1)
+            return None
+        fmt = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+               12: "<d"}[kind]
+        return read(f, fmt)
+
+    found: dict[str, object] = {}
+    with path.open("rb") as f:
+        if f.read(4) != b"GGUF":
+            return ModelFacts()
+        read(f, "<I")  # version
+        read(f, "<Q")  # tensors
+        for _ in range(read(f, "<Q")):
+            key = string(f).decode("utf-8", "replace")
+            found[key] = value(f, read(f, "<I"))
+            arch = found.get("general.architecture")
+            if isinstance(arch, bytes):
+                arch = arch.decode()
+                pos, layers = found.get(f"{arch}.context_length"), found.get(f"{arch}.block_count")
+                if pos is not None and layers is not None:
+                    return ModelFacts(int(pos), int(layers), f"from {path.name}")
+    return ModelFacts()
 
 
 def resolve_schemes(names) -> list:
@@ -297,6 +450,9 @@ def resolve_schemes(names) -> list:
             s.check_available()
         except SchemeError as e:
             raise RunError(str(e)) from None
+        calib = getattr(getattr(s, "scheme", None), "calib", None)
+        if calib is not None:
+            check_calib_file(calib, str(s))
         if s.label not in seen:
             seen.add(s.label)
             out.append(s)
@@ -350,14 +506,100 @@ def parse_depths(text: str) -> tuple[float, ...]:
     return _parse_list("--depths", text, float)
 
 
+CALIB_FORMAT = "kvquant-calibration/1"  # kvquant.calibration.FORMAT (a test keeps the two equal)
+
+
+def check_calib_file(path: str, scheme: str = "") -> None:
+    """A scheme's calib= file, checked without torch before any model work: NAME.safetensors with a readable
+    header whose tensors all lie in the file (not truncated, not a pickle renamed), and NAME.json beside it,
+    a kvquant calibration's metadata (a JSON object of the right format). Raises RunError naming the fix."""
+    import json
+    import struct
+
+    what = f"scheme {scheme}: calib={path}" if scheme else f"calib={path}"
+    fix = (
+        "write it with `python experiments/calibrate.py --scheme 'SCHEME' --out NAME.safetensors` "
+        "(SCHEME without calib=)"
+    )
+    p = Path(path).expanduser()
+    if p.is_dir():
+        raise RunError(f"{what} is a directory; name the .safetensors file experiments/calibrate.py wrote")
+    st = p.with_suffix(".safetensors") if p.suffix == ".json" else (
+        p if p.suffix == ".safetensors" else p.with_name(p.name + ".safetensors")
+    )
+    js = st.with_suffix(".json")
+    for f in (st, js):
+        if not f.is_file():
+            raise RunError(f"{what}: {f} does not exist{' (a directory)' if f.is_dir() else ''}; {fix}")
+    size = st.stat().st_size
+    try:
+        with st.open("rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise ValueError(f"{size} bytes, shorter than a safetensors header")
+            n = struct.unpack("<Q", head)[0]
+            if not 2 <= n <= 100_000_000:
+                raise ValueError("its first 8 bytes are no safetensors header length (a pickle?)")
+            if n > size - 8:
+                raise ValueError(f"truncated: its header needs {n + 8:,} bytes, the file has {size:,}")
+            header = json.loads(f.read(n))
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
+        end = max((int(t["data_offsets"][1]) for k, t in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end > size:
+            raise ValueError(f"truncated: its tensors end at byte {8 + n + end:,}, the file has {size:,}")
+    except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
+        raise RunError(f"{what}: {st} is not a readable safetensors file ({e}); {fix}") from None
+    try:
+        meta = json.loads(js.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise RunError(f"{what}: {js} is not JSON ({e}); {fix}") from None
+    if not isinstance(meta, dict) or meta.get("format") != CALIB_FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise RunError(f"{what}: {js} is not a kvquant calibration file (format {got!r}, want "
+                       f"{CALIB_FORMAT!r}); {fix}")
+
+
+NAME_MAX = 255  # bytes per path component on every common file system
+
+
 def check_out(out: str | None, force: bool) -> None:
-    """--out must be new, empty, or a kvquant run directory (resumed, or replaced with --force)."""
+    """--out must be new, empty, or a kvquant run directory (resumed, or replaced with --force), and a place
+    where a folder can be created (a name each file system takes, below a writable folder)."""
     if out is None:
         return
     path = Path(out)
+    long = [part for part in path.parts if len(part.encode()) > NAME_MAX]
+    if long:
+        raise RunError(
+            f"--out: the name {long[0][:40]}... is {len(long[0].encode())} bytes, above the file system's "
+            f"{NAME_MAX}; choose a shorter --out"
+        )
+    if not path.exists():
+        _check_creatable(path)
     if path.exists() and not path.is_dir():
         raise RunError(f"--out {out} is a file; name a folder for the run directory")
     if path.is_dir() and not force and any(path.iterdir()) and not (path / "config.json").is_file():
         raise RunError(
             f"{out} exists and is not a kvquant run directory; pass --force or choose another --out"
         )
+
+
+def _check_creatable(path: Path) -> None:
+    """Create (and remove) a probe folder in the nearest existing parent of `path`: refuses /proc/x, a
+    read-only mount or a file in the way with the reason, before any work."""
+    import os
+    import tempfile
+
+    parent = path.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise RunError(f"--out {path}: {parent} is a file, not a folder; choose another --out")
+    try:
+        tempfile.TemporaryDirectory(dir=parent, prefix=".kvquant-probe-").cleanup()
+    except OSError as e:
+        raise RunError(
+            f"--out {path}: cannot create a folder in {parent} ({os.strerror(e.errno) if e.errno else e}); "
+            "choose a writable --out"
+        ) from None

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 
-__all__ = ["BACKENDS", "DTYPE_ALIASES", "HUB_ONLY_ARGS", "check_model_args", "cli"]
+__all__ = ["BACKENDS", "DTYPE_ALIASES", "HUB_ONLY_ARGS", "KNOWN_MODEL_ARGS", "check_model_args", "cli"]
 
 PROG = "kvquant-lm-eval"
 BACKENDS = ("auto", "triton", "torch")  # kvquant.backend.BACKENDS (torch-free copy; a test keeps them equal)
@@ -27,6 +27,15 @@ DTYPE_ALIASES = {
     "bf16": "bfloat16",
 }
 HUB_ONLY_ARGS = ("revision", "peft", "delta", "parallelize", "tokenizer")
+KVQUANT_ARGS = ("pretrained", "scheme", "chunk", "backend", "dtype", "device", "batch_size")
+# what HFLM.__init__ takes besides those (lm-eval 0.4.x; a test compares with its signature)
+HFLM_ARGS = (
+    "subfolder", "truncation", "logits_cache", "max_length", "softmax_dtype", "mixed_precision_dtype",
+    "max_batch_size", "trust_remote_code", "use_fast_tokenizer", "add_bos_token", "prefix_token_id",
+    "max_memory_per_gpu", "max_cpu_memory", "offload_folder", "tp_plan", "autogptq", "gptqmodel",
+    "gguf_file", "think_end_token", "enable_thinking", "chat_template_args",
+)
+KNOWN_MODEL_ARGS = (*KVQUANT_ARGS, *HFLM_ARGS, *HUB_ONLY_ARGS)
 
 
 def check_model_args(args: Mapping[str, object]) -> None:
@@ -35,11 +44,25 @@ def check_model_args(args: Mapping[str, object]) -> None:
     Raises SchemeError (unknown scheme, with the known ones), FileNotFoundError / ValueError (model path),
     ValueError (chunk, backend, dtype, hub-only arguments), TypeError (a value of the wrong type), each
     naming the fix."""
+    import difflib
+
+    from kvquant.eval.config import check_calib_file, model_facts
+
     from kvquant.models import check_model_path
     from kvquant.scheme import parse_scheme
 
+    unknown = [k for k in args if k not in KNOWN_MODEL_ARGS]
+    if unknown:
+        near = difflib.get_close_matches(unknown[0], KNOWN_MODEL_ARGS, n=1)
+        hint = f"; did you mean {near[0]}=?" if near else ""
+        raise ValueError(
+            f"--model_args {unknown[0]}= is not an argument of the kvquant model{hint} (kvquant's: "
+            f"{', '.join(KVQUANT_ARGS)}; and HFLM's, e.g. max_length, add_bos_token, trust_remote_code)"
+        )
     scheme = args.get("scheme", "fp16")
-    parse_scheme(scheme.replace(";", ",") if isinstance(scheme, str) else scheme)
+    scheme = parse_scheme(scheme.replace(";", ",") if isinstance(scheme, str) else scheme)
+    if scheme.calib is not None:
+        check_calib_file(scheme.calib, str(scheme))
     chunk = args.get("chunk", 1)
     if not isinstance(chunk, int) or isinstance(chunk, bool):
         raise TypeError(f"chunk must be an int (tokens per forward), not {type(chunk).__name__} {chunk!r}")
@@ -55,7 +78,19 @@ def check_model_args(args: Mapping[str, object]) -> None:
         if args.get(name) not in (None, False, "main"):
             raise ValueError(f"--model_args {name}= is not supported by the kvquant model (no hub access)")
     pretrained = args.get("pretrained")
-    check_model_path(None if pretrained is None else str(pretrained))
+    try:
+        check_model_path(None if pretrained is None else str(pretrained))
+    except FileNotFoundError as e:  # the loader's advice names run.py's flag; here it is pretrained=
+        raise FileNotFoundError(str(e).replace("leave --model out", "leave pretrained= out")) from None
+    facts = model_facts(None if pretrained is None else str(pretrained))
+    if facts.layers is not None:
+        scheme.check_num_layers(facts.layers)
+    if facts.positions is not None:
+        scheme.check_positions(facts.positions)
+        max_length = args.get("max_length")
+        if isinstance(max_length, int) and max_length > facts.positions:
+            raise ValueError(f"max_length={max_length} is beyond the model's {facts.positions} positions "
+                             f"({facts.source})")
 
 
 def _is_torch_dtype(value: object) -> bool:
@@ -77,6 +112,18 @@ def check_device(device: str | None) -> None:
         raise ValueError(f"--device {device}: MPS is not available here; use --device cpu")
 
 
+def _default_device(args) -> None:
+    """lm-eval's default device is cuda:0: without --device (or a --config that may set it) on a machine
+    with no CUDA device, run on the CPU and say so, instead of failing after the model has loaded."""
+    if getattr(args, "device", None) is not None or getattr(args, "config", None):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        args.device = "cpu"
+        print(f"{PROG}: no CUDA device; running on --device cpu (pass --device to choose)", file=sys.stderr)
+
+
 def _fail(message: str) -> None:
     print(f"{PROG}: error: {message}", file=sys.stderr)
     raise SystemExit(2)
@@ -94,6 +141,7 @@ def cli(argv: Sequence[str] | None = None) -> None:
         if getattr(args, "command", None) == "run" and getattr(args, "model", None) == "kvquant":
             try:
                 check_model_args(getattr(args, "model_args", None) or {})
+                _default_device(args)
                 check_device(getattr(args, "device", None))
             except (ValueError, TypeError, OSError) as e:  # SchemeError, FileNotFoundError included
                 _fail(str(e))

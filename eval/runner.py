@@ -14,7 +14,6 @@ import json
 import logging
 import math
 import random
-import shutil
 import subprocess
 import time
 from collections.abc import Iterable
@@ -236,16 +235,51 @@ def stored_identity(config_json: dict, ignore: tuple[str, ...] = ()) -> dict:
 
 def _prepare_dir(
     run_dir: Path, config_json: dict, identity: dict, force: bool, ignore: tuple[str, ...] = ()
-) -> None:
-    """Resume a run of the same configuration; refuse another one, or a folder that is not a run, unless
-    force, which always starts over (also over a run of the same configuration). On resume config_json keeps
-    the run's first commit and creation time, and lists in `resumed_git_commits` any other commit that
-    resumed it (the report prints both). `ignore`: keys of a stored identity that no longer belong to it
-    (a retrieval grid, which a run may grow)."""
+) -> res.RunLock:
+    """Lock `run_dir` for this run and resume a run of the same configuration there; refuse another one, or
+    a folder that is not a run, unless force, which starts over (also over a run of the same configuration)
+    by removing only what kvquant wrote: a folder holding anything else is refused, and nothing deleted.
+    Returns the held lock (`res.RunLock`): the caller releases it when the run ends. A second process into
+    the same directory is refused here, naming the holder's pid. On resume config_json keeps the run's first
+    commit and creation time, and lists in `resumed_git_commits` any other commit that resumed it (the
+    report prints both). `ignore`: keys of a stored identity that no longer belong to it (a retrieval grid,
+    which a run may grow)."""
     cfg_path = run_dir / "config.json"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise RunError(f"--out {run_dir} is a file; name a folder for the run directory")
+    # read-only refusals first: nothing (not even a lock file) is written into a folder that is not a run
+    foreign = res.foreign_files(run_dir)
+    if foreign and not cfg_path.is_file():
+        raise RunError(
+            f"{run_dir} exists and is not a kvquant run directory (it holds {res._listing(foreign)}); choose "
+            "another --out (--force removes only files kvquant wrote, so it leaves such a folder alone)"
+        )
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = res.RunLock(run_dir).acquire()
+    except res.RunDirError as e:
+        raise RunError(str(e)) from None
+    except OSError as e:
+        raise RunError(f"cannot use {run_dir} as the run directory: {e.strerror or e}") from None
+    try:
+        _claim_dir(run_dir, cfg_path, config_json, identity, force, ignore)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+
+def _claim_dir(run_dir: Path, cfg_path: Path, config_json: dict, identity: dict, force: bool, ignore) -> None:
+    """_prepare_dir's work under the lock."""
     if cfg_path.is_file() and not force:
-        old = json.loads(cfg_path.read_text())
-        old_identity = stored_identity(old, ignore)
+        try:
+            old = json.loads(cfg_path.read_text(encoding="utf-8"))
+            old_identity = stored_identity(old, ignore)
+        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+            raise RunError(
+                f"{cfg_path} is unreadable ({type(e).__name__}); pass --force to start the run over, or "
+                "--out to write elsewhere"
+            ) from None
         if old_identity == identity:
             now = config_json.get("git_commit")
             resumed = list(old.get("resumed_git_commits", []))
@@ -256,20 +290,18 @@ def _prepare_dir(
                 config_json["resumed_git_commits"] = resumed
             _write_json(cfg_path, config_json)
             return  # resume
-        if not force:
-            raise RunError(
-                f"{run_dir} holds a run with a different configuration "
-                f"({_diff(old_identity, identity)});"
-                " pass --force to replace it, or --out to write elsewhere"
-            )
-    elif run_dir.exists() and any(run_dir.iterdir()) and not force:
         raise RunError(
-            f"{run_dir} exists and is not a kvquant run directory; pass --force or choose another --out"
+            f"{run_dir} holds a run with a different configuration "
+            f"({_diff(old_identity, identity)});"
+            " pass --force to replace it, or --out to write elsewhere"
         )
-    if force and run_dir.exists():
-        logger.warning("--force: replacing %s", run_dir)
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if force:
+        try:
+            removed = res.clear_run_dir(run_dir)
+        except res.RunDirError as e:
+            raise RunError(str(e)) from None
+        if removed:
+            logger.warning("--force: removed %s from %s", ", ".join(removed), run_dir)
     _write_json(cfg_path, config_json)
 
 
@@ -402,7 +434,8 @@ def _warn_key_offsets(model, schemes) -> None:
 def run(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[dict]]:
     """Run (or resume) an evaluation; returns (run directory, summary rows).
 
-    Raises RunError for bad input, before any long work. On Ctrl-C, everything measured is written
+    Raises RunError for bad input, before any long work, and when another process holds the run directory
+    (`results.RunLock`, held until the run ends). On Ctrl-C or SIGTERM, everything measured is written
     (results.jsonl, summary.csv, report.md and plots, the last two marked partial) and RunInterrupted
     (a KeyboardInterrupt) is raised. --task passkey|needle runs `retrieval.run_retrieval` instead."""
     if config.is_retrieval:
@@ -424,37 +457,56 @@ def run(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[di
         {"id": i, "title": t, "tokens": len(doc_tokens[i])} for i, t in zip(doc_ids, titles, strict=True)
     ]
     config_json = _config_json(config, identity, schemes, model_name, buckets, documents, shape)
-    _prepare_dir(run_dir, config_json, identity, config.force)
-    results = res.ResultsFile(run_dir / "results.jsonl")
-    points = expected_points(config.modes, schemes, doc_ids, buckets)
-    _announce(run_dir, results, points, dict(zip(doc_ids, titles, strict=True)))
-    torch.manual_seed(config.seed)
-    interrupted = False
-    t0 = time.perf_counter()
+    lock = _prepare_dir(run_dir, config_json, identity, config.force)
     try:
-        _measure(config, model, schemes, doc_ids, doc_tokens, buckets, results, run_dir)
-    except KeyboardInterrupt:
-        interrupted = True
+        results = res.ResultsFile(run_dir / "results.jsonl")
+        points = expected_points(config.modes, schemes, doc_ids, buckets)
+        _announce(run_dir, results, points, dict(zip(doc_ids, titles, strict=True)))
+        torch.manual_seed(config.seed)
+        interrupted = False
+        t0 = time.perf_counter()
+        texts = {i: docs[i].text for i in doc_ids}
+        with res.interrupt_on_sigterm():  # `timeout` or a scheduler's stop ends the run as Ctrl-C does
+            try:
+                _measure(
+                    config, model, tokenizer, schemes, doc_ids, doc_tokens, texts, buckets, results, run_dir
+                )
+            except KeyboardInterrupt:
+                interrupted = True
+            finally:
+                logger.info("measured in %.1f s", time.perf_counter() - t0)
+                progress = progress_of(results, points)
+                summary = _write_outputs(
+                    run_dir, results.rows, schemes, model.config, config, config_json, progress
+                )
     finally:
-        logger.info("measured in %.1f s", time.perf_counter() - t0)
-        progress = progress_of(results, points)
-        summary = _write_outputs(run_dir, results.rows, schemes, model.config, config, config_json, progress)
+        lock.release()
     if interrupted:
         raise RunInterrupted(run_dir, progress)
     return run_dir, summary
 
 
 def _measure(
-    config: RunConfig, model, schemes, doc_ids, doc_tokens, buckets, results: res.ResultsFile, run_dir: Path
+    config: RunConfig,
+    model,
+    tokenizer,
+    schemes,
+    doc_ids,
+    doc_tokens,
+    texts: dict[int, str],
+    buckets,
+    results: res.ResultsFile,
+    run_dir: Path,
 ) -> None:
     """Every mode and document in turn. A document with a missing point is measured from its first token
     (the reference and the schemes lacking points, in lockstep); only missing points are written. The
-    reference's hidden states come from the reference cache when it holds them."""
+    reference's hidden states come from the reference cache when it holds them (keyed by the model's full
+    weights, the tokenizer, the document's text and ids, the dtype and the chunking: `refcache`)."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
-    refs = ReferenceCache(model=model) if config.reference_cache else None
+    refs = _reference_cache(model, tokenizer) if config.reference_cache else None
     tokens = res.TokenStore(run_dir / "tokens")
     bar = tqdm(
         total=len(config.modes) * len(doc_ids) * config.max_length,
@@ -487,7 +539,13 @@ def _measure(
                     shift = noise_shift(chunk) if shifted else 0
                     stored, key = None, None
                     if refs is not None:
-                        key = refs.key(ids, dtype, steps(ids.shape[1], base, chunk, prefill, shift))
+                        key = refs.key(
+                            ids,
+                            dtype,
+                            steps(ids.shape[1], base, chunk, prefill, shift),
+                            text=texts.get(doc),
+                            layers="full" if base == "prefill" else "model",  # measure.make_cache
+                        )
                         stored = refs.load(key)
                         if stored is not None:
                             logger.info("reference of doc %d (%s) read from the reference cache", doc, mode)
@@ -508,6 +566,17 @@ def _measure(
                     )
     finally:
         bar.close()
+
+
+def _reference_cache(model, tokenizer) -> ReferenceCache | None:
+    """The reference cache for this model, or None (with a warning) when its weights cannot be hashed."""
+    from .refcache import WeightsUnhashable
+
+    try:
+        return ReferenceCache(model=model, tokenizer=tokenizer)
+    except WeightsUnhashable as e:
+        logger.warning("reference cache off for this run: %s", e)
+        return None
 
 
 def _chunk_groups(config: RunConfig, mode: str, todo: list[EvalScheme]) -> list[tuple[int, list[EvalScheme]]]:

@@ -20,6 +20,8 @@ import logging
 import sys
 from pathlib import Path
 
+from kvquant.eval.config import MAX_SEED
+
 from kvquant.scheme import SchemeError, parse_scheme, parse_spec
 
 
@@ -55,8 +57,19 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:  # the arguments are checked before torch is imported
-        if args.budget_bits <= 0 or args.budget_bits > 16:
+        if not 0 < args.budget_bits <= 16:  # nan fails too
             raise SchemeError(f"--budget-bits {args.budget_bits} must be in (0, 16]")
+        for flag, value, low, why in (
+            ("--group", args.group, 1, "consecutive layers measured and chosen together"),
+            ("--docs", args.docs, 1, "calibration documents for the sensitivities"),
+            ("--length", args.length, 2, "tokens per calibration document"),
+            ("--eval-docs", args.eval_docs, 0, "held-out articles; 0 skips the check"),
+            ("--eval-length", args.eval_length, 2, "tokens per held-out article"),
+        ):
+            if value < low:
+                raise SchemeError(f"{flag} {value} must be at least {low} ({why})")
+        if not 0 <= args.seed <= MAX_SEED:
+            raise SchemeError(f"--seed {args.seed} must lie in 0..{MAX_SEED}")
         kc = args.key_candidates.split(",") if args.key_candidates else None
         vc = args.value_candidates.split(",") if args.value_candidates else None
         for s in (kc or []) + (vc or []):

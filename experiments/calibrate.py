@@ -17,11 +17,13 @@ import argparse
 import logging
 import sys
 
+from kvquant.eval.config import RunError, check_model_path, check_seed, model_facts, script_parser
+
 from kvquant.scheme import SchemeError, parse_scheme
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = script_parser(__doc__)
     p.add_argument("--scheme", action="append", required=True, help="a scheme with nuqN specs (repeatable)")
     p.add_argument(
         "--out", required=True, help="output file NAME.safetensors (NAME.json is written beside it)"
@@ -35,19 +37,53 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def check_args(args: argparse.Namespace) -> list[str]:
+    """Everything that needs no torch, before the model loads; returns the schemes with calib=--out.
+    Raises RunError (or SchemeError) naming the fix."""
+    if not args.out.endswith(".safetensors"):
+        raise RunError(f"--out must end in .safetensors, got {args.out!r}")
+    for flag, value, low, why in (
+        ("--docs", args.docs, 1, "calibration documents; 0 would not mean all of them"),
+        ("--length", args.length, 2, "tokens per calibration document"),
+        ("--max-samples", args.max_samples, 1, "values per codebook fit"),
+    ):
+        if value < low:
+            raise RunError(f"{flag} {value} must be at least {low} ({why})")
+    check_seed(args.seed)
+    schemes = []
+    for text in args.scheme:  # calib= is what this command writes
+        if any(not i.strip() for i in text.split(",")):
+            parse_scheme(text)  # refuses the empty item (a trailing comma) as the user wrote it
+        items = [i for i in text.split(",") if not i.strip().lower().startswith("calib=")]
+        scheme = parse_scheme(",".join(items + [f"calib={args.out}"]))
+        if not scheme.needs_calibration:
+            raise RunError(
+                f"scheme {text!r} has no codebook (nuqN) spec, so there is nothing to calibrate; "
+                "use nuq4/nuq3/nuq2 specs, e.g. --scheme nuq4-g64 or "
+                "--scheme 'k=nuq3-channel-g64-prerope,v=nuq3-g64'"
+            )
+        schemes.append(str(scheme))
+    try:
+        check_model_path(args.model)
+    except RunError as e:
+        raise RunError(f"--model: {e}") from None
+    facts = model_facts(args.model)
+    if facts.positions is not None and args.length > facts.positions:
+        raise RunError(f"--length {args.length} is beyond the model's {facts.positions} positions "
+                       f"({facts.source})")
+    if facts.layers is not None:
+        for s in schemes:
+            parse_scheme(s).check_num_layers(facts.layers)
+    return schemes
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if not args.out.endswith(".safetensors"):
-        print(f"calibrate.py: --out must end in .safetensors, got {args.out!r}", file=sys.stderr)
+    try:  # validate before heavy imports
+        schemes = check_args(args)
+    except (RunError, SchemeError) as e:
+        print(f"calibrate.py: error: {e}", file=sys.stderr)
         return 2
-    schemes = []
-    for text in args.scheme:  # validate before heavy imports; calib= is what this command writes
-        items = [i for i in text.split(",") if not i.strip().lower().startswith("calib=")]
-        try:
-            schemes.append(str(parse_scheme(",".join(items + [f"calib={args.out}"]))))
-        except SchemeError as e:
-            print(f"calibrate.py: {e}", file=sys.stderr)
-            return 2
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from kvquant.eval.calibration import run_calibration
 

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 # Light imports only until the arguments are checked (as experiments/run.py): a bad spec, model path or corpus
 # is reported at once; torch and transformers come after.
-from kvquant.eval.config import EXIT_USAGE, RunError, check_model_path, script_parser
+from kvquant.eval.config import EXIT_USAGE, RunError, check_model_path, model_facts, script_parser
 
 from kvquant.scheme import SchemeError, parse_spec
 
@@ -66,6 +66,12 @@ def check_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ..
                 f"{flag}: nuqN and -prerope specs need a calibration file / the cache; score them with run.py"
             )
     check_model_path(args.model)
+    facts = model_facts(args.model)
+    if facts.positions is not None and args.tokens > facts.positions:
+        raise RunError(
+            f"--tokens {args.tokens} is beyond the model's {facts.positions} positions ({facts.source}); "
+            f"use at most --tokens {facts.positions}"
+        )
     if not args.random:
         from kvquant.eval.data import check_corpus  # no torch
 

@@ -41,6 +41,7 @@ logger = logging.getLogger("kvquant.run")
 QUICK = {"max_length": 1024, "chunk": 256, "docs": 1}
 QUICK_RETRIEVAL = {"lengths": "256,512", "depths": "0,0.5,1", "trials": 2}
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports Ctrl-C
+EXIT_FAILED = 1  # the run finished, but a scheme failed (its rows in results.jsonl say why)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -214,8 +215,45 @@ def _error(message: str) -> int:
     return EXIT_USAGE
 
 
+def failed_schemes(run_dir) -> list[str]:
+    """`scheme (mode): error` of every failure recorded in the run directory's results.jsonl."""
+    from pathlib import Path
+
+    from kvquant.eval import results as res
+
+    out: dict[str, None] = {}
+    path = Path(run_dir) / "results.jsonl"
+    if not path.is_file():
+        return []
+    try:
+        rows = res.ResultsFile(path).rows  # the results reader: torn and foreign lines skipped
+    except Exception:  # noqa: BLE001 - a retrieval run's rows, or a reader that refuses: read the lines
+        rows = []
+        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
+    for row in rows:
+        if isinstance(row, dict) and row.get("status") == "failed":
+            out[f"{row.get('scheme')} ({row.get('mode')}): {row.get('error')}"] = None
+    return list(out)
+
+
+def _report_failures(run_dir) -> int:
+    failed = failed_schemes(run_dir)
+    for f in failed:
+        print(f"error: scheme {f}", file=sys.stderr)
+    if failed:
+        print(f"error: {len(failed)} scheme run(s) failed; their rows in {run_dir}/results.jsonl say why",
+              file=sys.stderr)
+        return EXIT_FAILED
+    return 0
+
+
 def main(config: RunConfig, *, model=None, tokenizer=None) -> int:
-    """Run one configuration; print the markdown table. Returns the exit code (0, 2 bad input, 130 Ctrl-C)."""
+    """Run one configuration; print the markdown table. Returns the exit code (0; 1 a scheme failed during
+    the run; 2 bad input; 130 Ctrl-C or SIGTERM)."""
     import time
 
     from kvquant.eval import results as res
@@ -235,11 +273,11 @@ def main(config: RunConfig, *, model=None, tokenizer=None) -> int:
 
         print(summary_table(summary, saved.get("scheme_names", {})))
         print(f"results: {run_dir}  ({time.perf_counter() - t0:.0f} s)")
-        return 0
+        return _report_failures(run_dir)
     log_to_wandb(run_dir, config)
     print(res.markdown_table(summary, saved.get("scheme_names", {}), saved.get("kv_dtype", "float16")))
     print(f"results: {run_dir}  ({time.perf_counter() - t0:.0f} s)")
-    return 0
+    return _report_failures(run_dir)
 
 
 def _cli(argv: Sequence[str] | None) -> int:
@@ -264,14 +302,27 @@ def _cli(argv: Sequence[str] | None) -> int:
     return main(config)
 
 
+def _sigterm(signum, frame) -> None:
+    raise KeyboardInterrupt  # as Ctrl-C: what was measured is written (report and plots marked partial)
+
+
 def cli(argv: Sequence[str] | None = None) -> int:
-    """The command line; Ctrl-C anywhere ends with one line and exit status 130, never a traceback."""
+    """The command line; Ctrl-C (or SIGTERM, e.g. from `timeout`) anywhere ends with one line and exit status
+    130, never a traceback, after writing what was measured."""
+    import signal
+    import threading
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _sigterm) if main_thread else None
     try:
         return _cli(argv)
     except RunInterrupted as e:
         print(e, file=sys.stderr)
     except KeyboardInterrupt:
         print("interrupted; rerun the same command to resume (measured points are kept)", file=sys.stderr)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return EXIT_INTERRUPTED
 
 

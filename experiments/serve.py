@@ -7,7 +7,8 @@
         --scheme int4-g64 --context 4096 --shared-prefix 2000
 
 Results go to a run directory (default runs/serve-...): config.json, results.jsonl, summary.csv (one row per
-scheme x prefix cache on/off x eviction policy), report.md, serve.png. See kvquant/eval/serve.py.
+scheme x prefix cache on/off x eviction policy), report.md, serve.png. Rerunning the same command resumes an
+interrupted run (Ctrl-C, SIGTERM, kill -9), measuring only the rows missing. See kvquant/eval/serve.py.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 # Light imports only until the arguments are checked (no torch): the simulation module imports torch lazily.
-from kvquant.eval.config import EXIT_USAGE, script_parser
+from kvquant.eval.config import EXIT_USAGE, MAX_SEED, script_parser
 from kvquant.eval.serve import WANDB_MODES, ServeConfig, ServeError, check_config
 
 logger = logging.getLogger("kvquant.serve")
@@ -76,8 +77,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cpu")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; 0 keeps torch's choice)")
-    p.add_argument("--out", default=None)
-    p.add_argument("--force", action="store_true")
+    p.add_argument(
+        "--out", default=None, help="run directory; rerunning the same command resumes it (missing rows only)"
+    )
+    p.add_argument(
+        "--force", action="store_true", help="start the run directory over (removes only files kvquant wrote)"
+    )
     p.add_argument(
         "--quick", action="store_true", help="smoke run: 4 requests of 128 tokens, fp16 + int4-g64"
     )
@@ -140,6 +145,39 @@ def config_from_args(args) -> ServeConfig:
     )
 
 
+def check_args(args) -> None:
+    """Flags this script reads itself (the rest: `check_config`), before torch; raises ServeError."""
+    import math
+    import os
+
+    cores = os.cpu_count() or 1
+    if not 0 <= args.threads <= 4 * cores:
+        raise ServeError(
+            f"--threads {args.threads} must lie in 0..{4 * cores} (0 keeps torch's choice; this machine has "
+            f"{cores} cores)"
+        )
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ServeError(f"--seed {args.seed} must lie in 0..{MAX_SEED}")
+    if not args.capacity:
+        return
+    if not (math.isfinite(args.gpu_gb) and args.gpu_gb > 0):
+        raise ServeError(f"--gpu-gb {args.gpu_gb} must be a finite number of GB above 0, e.g. --gpu-gb 80")
+    if args.weights_gb is not None and not (math.isfinite(args.weights_gb) and args.weights_gb >= 0):
+        raise ServeError(f"--weights-gb {args.weights_gb} must be a finite number of GB >= 0")
+    if not 1 <= args.weight_bits <= 32:
+        raise ServeError(f"--weight-bits {args.weight_bits} must lie in 1..32 (16: bf16 weights, 4: int4)")
+    context = args.context or 4096
+    if context < 1:
+        raise ServeError(f"--context {context} must be at least 1 token")
+    if not 0 <= args.shared_prefix <= context:
+        raise ServeError(
+            f"--shared-prefix {args.shared_prefix} must lie in 0..--context {context} (the shared prefix is "
+            "part of each request's context)"
+        )
+    if args.block_size is not None and args.block_size < 1:
+        raise ServeError(f"--block-size {args.block_size} must be at least 1 token per page")
+
+
 def capacity_cli(args) -> int:
     from kvquant.eval.serve import capacity_table
 
@@ -188,6 +226,11 @@ def _cli(argv: Sequence[str] | None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    try:
+        check_args(args)
+    except ServeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     if args.capacity:
         return capacity_cli(args)
     try:
@@ -203,7 +246,7 @@ def cli(argv: Sequence[str] | None = None) -> int:
     try:
         return _cli(argv)
     except KeyboardInterrupt:
-        print("interrupted; the run directory keeps what was measured (results.jsonl)", file=sys.stderr)
+        print("interrupted; rerun the same command to resume (measured rows are kept)", file=sys.stderr)
         return EXIT_INTERRUPTED
 
 

@@ -749,10 +749,13 @@ class QuantizedCache(Cache):
             shape = KVShape.from_config(config)
             self.scheme.check_head_dim(shape.head_dim)
             self.scheme.check_num_layers(shape.num_layers)
+            text = config.get_text_config() if hasattr(config, "get_text_config") else config
+            positions = getattr(text, "max_position_embeddings", None)
+            if isinstance(positions, int) and positions > 0:  # a token group the model can never fill
+                self.scheme.check_positions(positions, page_size=block_size)
             if calib is not None:
                 calib.check_model(shape, self.scheme)
             rope = _model_rope(config) if self.scheme.prerope else None
-            text = config.get_text_config() if hasattr(config, "get_text_config") else config
             self._expect = _Expect(getattr(text, "_attn_implementation", None))
             layers = [
                 QuantizedLayer(

@@ -371,9 +371,8 @@ class CodebookCodec(Codec):
     def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         codes = fields["codes"]
         shape = (*codes.shape[:3], self.head_dim)
-        values = self._levels(codes.device)[
-            unpack(codes, self.spec.bits, self.head_dim).long()
-        ]  # (B, H, T, D)
+        idx = unpack(codes, self.spec.bits, self.head_dim).int()  # (B, H, T, D): shifts and masks, int32
+        values = torch.nn.functional.embedding(idx, self._levels(codes.device)[:, None]).squeeze(-1)
         blocks, scale = self.extent.broadcast(values, fields["scale"].float())
         x = blocks * scale
         if "zero" in fields:
@@ -447,14 +446,17 @@ _FAMILIES: dict[str, type[Codec]] = {"dense": DenseCodec, "affine": AffineCodec,
 def _families() -> dict[str, type[Codec]]:
     """Every codec family by name: this module's, and the research codecs in their own modules (they import
     this one, so they are imported here, on first use, and either module may be imported first)."""
+    from .codec_engine import EngineCodec
     from .codec_fp8 import FP8Codec
     from .codec_transforms import CenterCodec, OutlierCodec, RotationCodec
 
     return {**_FAMILIES, "fp8": FP8Codec, "center": CenterCodec, "rotate": RotationCodec,
-            "outliers": OutlierCodec}
+            "outliers": OutlierCodec, "engine": EngineCodec}
 
 
 def _family(spec: QuantSpec) -> str:
+    if spec.engine is not None:  # llama.cpp:q4_0, mxfp4, nvfp4 (kvquant.codec_engine)
+        return "engine"
     if spec.transforms:  # -center, -rot, -out wrap the codec of the spec without them, outermost first
         return spec.transforms[0]
     if spec.fp8 is not None:

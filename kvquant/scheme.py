@@ -9,8 +9,13 @@ A scheme string is a comma-separated list of items:
     PRESET                a named scheme                      kivi-2
     layers=R:SPEC+R:K/V   per-layer specs over layer ranges   layers=0-3:int8+4-29:int4-g64
                           (R is A-B or A; the ranges tile layers 0..N-1; K/V gives K and V apart)
-    calib=FILE            calibration file (codebooks) of     calib=calib/smollm2.safetensors
+    calib=FILE            calibration file (codebooks) of     calib=calib/smollm2-nuq.safetensors
                           `experiments/calibrate.py`
+
+Each item at most once, no empty items (a trailing or doubled comma is refused). Unquantized K/V is `fp16`
+whatever the model's dtype (`bf16`, `fp32`, `none` are refused, not read as fp16). Sizes are bounded: seeds
+0..2**31-1, sink/window/token groups up to 2**24 tokens, and `Scheme.check_positions` refuses a token group
+longer than the model's positions.
 
 SPEC is `fp16`, `int{8,4,2}` (uniform levels), `nuq{4,3,2}` (non-uniform levels: a per-layer codebook
 fitted offline, needs calib=) or `fp8-e4m3` / `fp8-e5m2` (torch's float8 codes) followed by options, in this
@@ -36,11 +41,17 @@ then the research transforms (`kvquant.codec_transforms`), after all of the abov
     -prerope      (keys only, last) stored before the rotary embedding; RoPE is re-applied on read
 
 `fp16-rot[S]` (rotation without quantization) is valid too: attention is unchanged up to rounding.
+
+Engine formats, stored bit for bit as the engine lays them out (`kvquant.codec_engine`), take no options
+(only -prerope): `llama.cpp:q8_0`, `llama.cpp:q4_0`, `llama.cpp:q4_1`, `llama.cpp:q5_0`, `llama.cpp:q5_1`,
+`llama.cpp:iq4_nl` (llama.cpp's -ctk / -ctv cache types; `llama.cpp:k=q8_0,v=q4_0` for -ctk q8_0 -ctv q4_0),
+`mxfp4`, `nvfp4` (ggml's FP4 blocks).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import math
 import re
@@ -86,6 +97,27 @@ CALIBRATE_COMMAND = (
 FP8_KINDS: tuple[str, ...] = ("e4m3", "e5m2")  # torch.float8_e4m3fn, torch.float8_e5m2
 DEFAULT_CENTER = 64  # tokens per stored key offset of `-center`
 MAX_OUTLIER_PERCENT = 25.0
+# Engine block formats (`kvquant.codec_engine`), by canonical spec name: (nominal bits per value, values per
+# block along head_dim). llama.cpp's names are its -ctk / -ctv cache types; MXFP4 / NVFP4 are ggml's blocks.
+ENGINE_FORMATS: dict[str, tuple[int, int]] = {
+    "llama.cpp:q8_0": (8, 32),
+    "llama.cpp:q4_0": (4, 32),
+    "llama.cpp:q4_1": (4, 32),
+    "llama.cpp:q5_0": (5, 32),
+    "llama.cpp:q5_1": (5, 32),
+    "llama.cpp:iq4_nl": (4, 32),
+    "mxfp4": (4, 32),
+    "nvfp4": (4, 64),
+}
+# Bounds that no real configuration reaches, so a typo (an extra digit, a pasted number) is refused at parse
+# time instead of reserving gigabytes or overflowing a random generator later:
+MAX_SEED = 2**31 - 1  # -rotS seeds a torch.Generator; 31 bits are portable (numpy, torch, every platform)
+MAX_TOKENS = 1 << 24  # sink, window, token groups and -center: 16M tokens, beyond every model's positions
+MAX_CHANNELS = 1 << 16  # a -gN channel group must divide head_dim; no model's head_dim comes near 65536
+MAX_LAYERS = 1 << 16  # layers= ranges
+PAGE_SIZE = 16  # tokens per page of the default store (`KVStore(block_size=16)`): pages hold lcm(16, group)
+# names that are not specs although they look like one: unquantized K/V is always written `fp16`
+_NOT_SPECS = ("bf16", "fp32", "none", "int16", "float16", "bfloat16", "float32", "half")
 
 
 def rotation_block(head_dim: int) -> int:
@@ -120,6 +152,9 @@ class QuantSpec:
     outliers: percent of each (token, head) vector's largest magnitudes kept exact (`-outP`).
     unit_scale: fp8 only (`-tensor`): one fixed unit scale for everything, nothing stored (granularity
         unused).
+    engine: an engine's block format (a key of `ENGINE_FORMATS`: `llama.cpp:q4_0`, `mxfp4`, ...), stored as
+        the engine lays it out (`kvquant.codec_engine`); bits is then the format's nominal width (set from
+        it) and every other option stays at its default (only -prerope combines with it).
     """
 
     bits: int
@@ -134,8 +169,12 @@ class QuantSpec:
     rotate: int | None = None
     outliers: float | None = None
     unit_scale: bool = False
+    engine: str | None = None
 
     def __post_init__(self) -> None:
+        if self.engine is not None:
+            self._check_engine()
+            return
         if self.bits not in BITS:
             raise SchemeError(f"bits={self.bits} is not supported; use one of {BITS}")
         if self.codebook and self.bits not in CODEBOOK_BITS:
@@ -185,6 +224,19 @@ class QuantSpec:
             )
         if not needs_group and self.group_size is not None:
             raise SchemeError(f"{self.granularity.value} granularity takes no group size")
+        if needs_group:
+            channels = self.granularity is Granularity.GROUP
+            limit = MAX_CHANNELS if channels else MAX_TOKENS
+            if self.group_size > limit:
+                why = (
+                    "a channel group must divide head_dim, and no model's head_dim is that large"
+                    if channels
+                    else "a token group fills only after that many tokens, beyond every model's positions"
+                )
+                raise SchemeError(
+                    f"group size {self.group_size} is above the maximum {limit:,} ({why}); "
+                    f"use for example int{self.bits}-{'g64' if channels else 'channel-g64'}"
+                )
         if self.scale_dtype is not None and not isinstance(self.scale_dtype, str):
             # a torch dtype given directly (torch.float16 prints as "torch.float16"); stored by name
             name = _TORCH_NAMES.get(str(self.scale_dtype))
@@ -194,6 +246,24 @@ class QuantSpec:
                 f"scale_dtype {self.scale_dtype!r} is not supported; use one of {list(SCALE_DTYPES)} "
                 "(by name)"
             )
+
+    def _check_engine(self) -> None:
+        """An engine format fixes everything but -prerope: its bits come from the format."""
+        if self.engine not in ENGINE_FORMATS:
+            raise SchemeError(f"unknown engine format {self.engine!r}; known: {', '.join(ENGINE_FORMATS)}")
+        defaults = QuantSpec(8)
+        extra = [
+            f.name
+            for f in dataclasses.fields(self)
+            if f.name not in ("bits", "engine", "prerope", "symmetric")
+            and getattr(self, f.name) != getattr(defaults, f.name)
+        ]
+        if extra:
+            raise SchemeError(
+                f"{self.engine} is the engine's own format: it takes no {', '.join(extra)} (only -prerope)"
+            )
+        object.__setattr__(self, "bits", ENGINE_FORMATS[self.engine][0])
+        object.__setattr__(self, "symmetric", False)  # one canonical value; the format decides
 
     def _check_research(self) -> None:
         """The fp8 kind and the research transforms (-center, -rot, -out)."""
@@ -210,6 +280,17 @@ class QuantSpec:
             if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < (name == "center")):
                 what = "a positive number of tokens" if name == "center" else "a non-negative integer seed"
                 raise SchemeError(f"{name}={n!r} must be {what}")
+        if self.center is not None and self.center > MAX_TOKENS:
+            raise SchemeError(
+                f"-center{self.center}: at most {MAX_TOKENS:,} tokens per offset (an offset is stored only "
+                "once its tokens have all arrived, beyond every model's positions); the default is -center "
+                f"({DEFAULT_CENTER} tokens)"
+            )
+        if self.rotate is not None and self.rotate > MAX_SEED:
+            raise SchemeError(
+                f"-rot{self.rotate}: the seed must lie in 0..{MAX_SEED} (2**31 - 1, what every random "
+                "generator accepts), e.g. -rot7"
+            )
         if self.outliers is not None:
             p = self.outliers
             if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= MAX_OUTLIER_PERCENT:
@@ -242,6 +323,14 @@ class QuantSpec:
 
     def check_head_dim(self, head_dim: int) -> None:
         """Refuse a group size that does not divide head_dim, naming both numbers."""
+        if self.engine is not None:
+            block = ENGINE_FORMATS[self.engine][1]
+            if head_dim % block:
+                raise SchemeError(
+                    f"{self.engine} stores blocks of {block} values along head_dim (ggml asserts "
+                    f"k % {block} == 0): head_dim {head_dim} is not a multiple of {block}"
+                )
+            return
         if self.granularity is Granularity.GROUP and head_dim % self.group_size:
             raise SchemeError(
                 f"group size {self.group_size} does not divide head_dim {head_dim}; "
@@ -277,6 +366,11 @@ class LayerSpecs:
     def __post_init__(self) -> None:
         if not (isinstance(self.first, int) and isinstance(self.last, int) and 0 <= self.first <= self.last):
             raise SchemeError(f"layer range {self.first}-{self.last} must be A-B with 0 <= A <= B")
+        if self.last >= MAX_LAYERS:
+            raise SchemeError(
+                f"layer range {self.first}-{self.last} goes beyond layer {MAX_LAYERS - 1:,} (no model has "
+                "that many layers); the ranges cover the model's layers 0..N-1"
+            )
         if self.value.prerope:
             raise SchemeError(f"-prerope applies to keys only (layers {self.first}-{self.last})")
 
@@ -304,6 +398,11 @@ class Scheme:
             n = getattr(self, what)
             if not isinstance(n, int) or n < 0:
                 raise SchemeError(f"{what}={n!r} must be a non-negative integer")
+            if n > MAX_TOKENS:
+                raise SchemeError(
+                    f"{what}={n} is above the maximum {MAX_TOKENS:,} tokens (beyond every model's "
+                    f"positions: {'nothing would be quantized' if what == 'window' else 'all would stay FP'})"
+                )
         if self.calib is not None and (
             not isinstance(self.calib, str) or not self.calib or "," in self.calib
         ):
@@ -372,6 +471,27 @@ class Scheme:
                 f"write ranges covering 0-{num_layers - 1}"
             )
 
+    def check_positions(self, max_positions: int, page_size: int = PAGE_SIZE) -> None:
+        """Refuse a token group (`-channel-gN`, `-centerN`, and the page of lcm(page_size, group) tokens that
+        stores it) longer than the model's positions: it could never fill, so nothing would be quantized,
+        while every layer reserves pages of that many tokens (`int4-channel-g100003`: 1.6M-token pages)."""
+        if not isinstance(max_positions, int) or isinstance(max_positions, bool) or max_positions < 1:
+            raise TypeError(f"max_positions must be a positive int, not {max_positions!r}")
+        for s in self.specs():
+            group = s.tokens_per_group
+            page = math.lcm(page_size, group)
+            if page > max_positions:
+                what = (
+                    f"-channel-g{s.group_size}" if s.granularity is Granularity.CHANNEL else ""
+                ) + (f"-center{s.center}" if s.center is not None else "")
+                raise SchemeError(
+                    f"{s}: its token group ({what.lstrip('-')}: {group:,} tokens, stored in pages of "
+                    f"lcm({page_size}, {group}) = {page:,} tokens) is longer than the model's "
+                    f"{max_positions:,} positions, so it would never fill and nothing would be quantized; "
+                    f"use a group whose lcm with {page_size} is at most {max_positions:,} tokens "
+                    "(e.g. -channel-g64, -center64)"
+                )
+
     @property
     def is_fp16(self) -> bool:
         return not any(s.is_quantized for s in self.specs())
@@ -400,7 +520,7 @@ class Scheme:
 # ----------------------------------------------------------------------------------------------- parsing
 
 _SPEC_RE = re.compile(
-    r"^(?:(?P<family>int|nuq)(?P<bits>\d+)|(?P<fp>fp16|bf16|fp32|none)|fp8(?:-(?P<fp8>[a-z0-9]+))?)"
+    r"^(?:(?P<family>int|nuq)(?P<bits>\d+)|(?P<fp>fp16)|fp8(?:-(?P<fp8>[a-z0-9]+))?)"
     r"(?P<opts>(-[a-z0-9.]+)*)$"
 )
 # research transforms, in the only order a spec may give them (after every other option)
@@ -445,17 +565,28 @@ EXAMPLES: dict[str, str] = {
     "k=int4-g64-center,v=int4-g64": "keys minus a per-channel offset (mean of each 64 tokens, FP16)",
     "int4-g64-center-rot-out1": "the three transforms: center, then rotate, then split outliers",
     "fp16-rot": "rotation alone, no quantization (attention unchanged up to rounding)",
+    "llama.cpp:q8_0": "llama.cpp -ctk/-ctv q8_0: blocks of 32 along D, fp16 scale + int8 (8.5 bits)",
+    "llama.cpp:q4_0": "llama.cpp q4_0: blocks of 32, fp16 scale + 4-bit codes (4.5 bits); q4_1/q5_0/q5_1",
+    "llama.cpp:iq4_nl": "llama.cpp iq4_nl: blocks of 32, fp16 scale + 4-bit non-linear levels (4.5 bits)",
+    "llama.cpp:k=q8_0,v=q4_0": "llama.cpp -ctk q8_0 -ctv q4_0 (prints as k=llama.cpp:q8_0,v=llama.cpp:q4_0)",
+    "mxfp4": "OCP MXFP4 (ggml's block): 32 FP4 E2M1 values + one E8M0 scale (4.25 bits)",
+    "nvfp4": "NVFP4 (ggml's block): 16 FP4 E2M1 values + one UE4M3 scale, per-tensor scale 1.0 (4.5 bits)",
 }
 
 
 def _spec_error(text: str, why: str) -> SchemeError:
-    return SchemeError(
+    err = SchemeError(
         f"bad quantization spec {text!r}: {why}. A spec is fp16, int8/int4/int2, nuq4/nuq3/nuq2 or "
         "fp8-e4m3/fp8-e5m2 followed by [-head | -gN | -channel-gN | -tensor (fp8)] [-sym | -asym] "
         "[-sfp16 | -sbf16 | -sfp32], then in this order [-center[N]] [-rot[SEED]] [-outP] [-prerope (keys)]; "
-        "examples: int8, int8-head, int4-g64, int2-g32-sym, int4-channel-g64, nuq3-g64, "
-        "int4-channel-g64-prerope, fp8-e4m3-head, int4-g64-rot, int4-g64-center, int4-g64-out0.5, fp16-rot"
+        "examples: int8, int4-g64, int2-g32-sym, int4-channel-g64, fp8-e4m3-head, int4-g64-rot, fp16-rot"
     )
+    err.unknown_name = why.startswith(_NOT_A_FAMILY)  # not a spec at all: a typo of a scheme name?
+    return err
+
+
+_NOT_A_FAMILY = "it does not start with"
+_LONG_NUMBER = re.compile(r"\d{11,}")  # beyond every bound (the largest, a seed, has 10 digits)
 
 
 def _option_kind(opt: str) -> str | None:
@@ -487,11 +618,25 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
         return dataclasses.replace(parse_spec(text[: -len(_PREROPE)]), prerope=True)
     if _PREROPE in text:
         raise _spec_error(text, "-prerope comes last, once")
-    if text in ("fp16", "bf16", "fp32", "none", "int16"):
-        return FP16
+    if text in ENGINE_FORMATS or text.startswith("llama.cpp:"):
+        if text not in ENGINE_FORMATS:
+            types = ", ".join(n.partition(":")[2] for n in ENGINE_FORMATS if n.startswith("llama.cpp:"))
+            raise _spec_error(
+                text, f"unknown llama.cpp cache type {text.partition(':')[2]!r}; its quantized -ctk/-ctv "
+                f"types are {types} (f16 is kvquant's fp16)"
+            )
+        return QuantSpec(ENGINE_FORMATS[text][0], engine=text)
+    if text.split("-")[0] in _NOT_SPECS:
+        raise _spec_error(
+            text,
+            f"{text.split('-')[0]!r} is not a spec: unquantized K/V is written fp16 (kept in the model's own "
+            "dtype, whatever it is; --kv-dtype sets the dtype bytes are counted at)",
+        )
+    if _LONG_NUMBER.search(text):
+        raise _spec_error(text, "a number of 11 or more digits is beyond every bound (group sizes, seeds)")
     m = _SPEC_RE.match(text)
     if not m:
-        raise _spec_error(text, "it does not start with fp16, int<bits>, nuq<bits> or fp8-<kind>")
+        raise _spec_error(text, f"{_NOT_A_FAMILY} fp16, int<bits>, nuq<bits> or fp8-<kind>")
     fp8 = m["fp8"]
     if m["fp"]:  # fp16 with options: fp16-rot
         bits, codebook = 16, False
@@ -593,6 +738,8 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
 
 def format_spec(spec: QuantSpec) -> str:
     """The canonical string of a spec; parse_spec(format_spec(s)) == s."""
+    if spec.engine is not None:
+        return spec.engine + (_PREROPE if spec.prerope else "")
     if not spec.is_quantized:
         return "-".join(["fp16", *_format_research(spec)]) + (_PREROPE if spec.prerope else "")
     parts = [f"fp8-{spec.fp8}" if spec.fp8 is not None else f"{'nuq' if spec.codebook else 'int'}{spec.bits}"]
@@ -651,15 +798,31 @@ def format_scheme(scheme: Scheme) -> str:
     return ",".join(items)
 
 
+# a few of EXAMPLES and the presets: what a refusal lists (all of them: --list-schemes)
+_SHORT_LIST = (
+    "fp16", "int8", "int8-head", "int4-g64", "int2-g32", "int4-g64-rot", "fp8-e4m3",
+    "k=int4-channel-g64,v=int4-g64,window=128", "nuq4-g64,calib=FILE", "kivi-4", "kivi-2",
+)
+_ITEMS = ("k=", "v=", "sink=", "window=", "layers=", "calib=")
+
+
+def did_you_mean(text: str) -> list[str]:
+    """The preset or example scheme closest to a mistyped one (`kivi2` -> ['kivi-2']), or []."""
+    raw = str(text).strip().lower().replace(" ", "")
+    return difflib.get_close_matches(raw, [*_PRESET_DEFS, *EXAMPLES], n=1, cutoff=0.75)
+
+
 def _scheme_error(text: str, why: str) -> SchemeError:
+    near = did_you_mean(text)
+    hint = f" Did you mean {near[0]!r}?" if near else ""
     return SchemeError(
-        f"bad scheme {text!r}: {why}.\nKnown schemes and presets: {', '.join(list_schemes())}.\n"
+        f"bad scheme {text!r}: {why}.{hint}\nKnown schemes and presets: {', '.join(_SHORT_LIST)}, ...\n"
         "Grammar: SPEC | k=SPEC,v=SPEC | layers=A-B:SPEC[/VSPEC]+C-D:..., optionally with ,sink=N ,window=N "
-        ",calib=FILE (see `python experiments/run.py --list-schemes`)"
+        ",calib=FILE; every form, example and preset: `python experiments/run.py --list-schemes`"
     )
 
 
-_RANGE_RE = re.compile(r"^(?P<first>\d+)(-(?P<last>\d+))?$")
+_RANGE_RE = re.compile(r"^(?P<first>\d{1,9})(-(?P<last>\d{1,9}))?$")
 
 
 def _parse_layers(val: str) -> tuple[LayerSpecs, ...]:
@@ -682,6 +845,11 @@ def _parse_layers(val: str) -> tuple[LayerSpecs, ...]:
     return tuple(out)
 
 
+_ENGINE_PAIR = re.compile(
+    r"^\s*llama\.cpp:\s*k\s*=\s*([a-z0-9_]+)\s*,\s*v\s*=\s*([a-z0-9_]+)\s*(?=,|$)", re.IGNORECASE
+)
+
+
 def parse_scheme(text: str | Scheme) -> Scheme:
     """Parse a scheme string (or pass a Scheme through). Raises SchemeError naming the bad part."""
     if isinstance(text, Scheme):
@@ -693,14 +861,28 @@ def parse_scheme(text: str | Scheme) -> Scheme:
         )
     if not text.strip():
         raise _scheme_error(text, "it is empty")
+    text = _ENGINE_PAIR.sub(r"k=llama.cpp:\1,v=llama.cpp:\2", text)  # llama.cpp:k=q8_0,v=q4_0 (as -ctk, -ctv)
     raw = text.strip().lower().replace(" ", "")
     if raw in _PRESET_DEFS:
         return dataclasses.replace(parse_scheme(_PRESET_DEFS[raw][0]), name=raw)
     both = key = value = layers = calib = None
     ints: dict[str, int] = {}
-    originals = text.strip().replace(" ", "").split(",")  # a calib= path keeps its case
-    for item, original in zip(raw.split(","), originals, strict=True):
+    given: dict[str, str] = {}  # item name (k for key=) -> the item, to refuse a second one
+    # items split on the original text too: a calib= path keeps its case and its inner spaces
+    originals = text.strip().split(",")
+    for n, (item, original) in enumerate(zip(raw.split(","), originals, strict=True)):
         name, eq, val = item.partition("=")
+        if not item:
+            where = "a trailing comma" if n == len(originals) - 1 else (
+                "a leading comma" if n == 0 else "two commas in a row"
+            )
+            raise _scheme_error(text, f"item {n + 1} is empty ({where}); remove the extra comma")
+        canon = {"key": "k", "value": "v"}.get(name, name) if eq else "spec"
+        if canon in given and canon != "spec":
+            raise _scheme_error(
+                text, f"{canon}= is given twice ({given[canon]!r} and {item!r}); give each item once"
+            )
+        given[canon] = item
         try:
             if not eq:
                 if both is not None:
@@ -715,24 +897,29 @@ def parse_scheme(text: str | Scheme) -> Scheme:
             elif name in ("v", "value"):
                 value = parse_spec(val)
             elif name in ("sink", "window"):
-                if not val.isdigit():
-                    raise _scheme_error(text, f"{name}={val!r} is not a non-negative integer")
+                if not re.fullmatch(r"\d{1,10}", val):  # \d: what int() reads (str.isdigit also takes '²')
+                    why = "too large" if re.fullmatch(r"\d+", val) else "not a non-negative integer"
+                    raise _scheme_error(text, f"{name}={val!r} is {why} (tokens, e.g. {name}=128)")
                 ints[name] = int(val)
             elif name == "layers":
                 layers = _parse_layers(val)
             elif name == "calib":
-                calib = original.partition("=")[2]
+                calib = original.partition("=")[2].strip()
                 if not calib:
                     raise _scheme_error(
                         text, "calib= needs a file path (written by experiments/calibrate.py)"
                     )
             else:
+                near = difflib.get_close_matches(name, ["k", "v", "sink", "window", "layers", "calib"], n=1)
+                hint = f"; did you mean {near[0]}=?" if near else ""
                 raise _scheme_error(
-                    text, f"unknown item {name!r} (valid: k=, v=, sink=, window=, layers=, calib=)"
+                    text, f"unknown item {name!r} (valid: k=, v=, sink=, window=, layers=, calib=){hint}"
                 )
         except SchemeError as e:
             if str(e).startswith("bad scheme"):
                 raise
+            if getattr(e, "unknown_name", False) and did_you_mean(text):
+                raise _scheme_error(text, f"{item!r} is neither a spec nor a preset") from None
             raise _scheme_error(text, str(e)) from None
     if layers is not None:
         if both is not None or key is not None or value is not None:

@@ -17,6 +17,7 @@ trims running sequences after every forward (`sliding:W`). All requests run one 
 from __future__ import annotations
 
 import logging
+import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -54,6 +55,25 @@ class Prefill:
     seconds: float  # time to first token: lookup + adoption + forward(s)
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check_engine_args(budget_bytes, block_size, prefill_chunk, capacity_tokens) -> None:
+    """Refuse values that would silently disable a limit (a NaN budget compares false with everything) or
+    break the page arithmetic, naming the fix."""
+    if budget_bytes is not None and (not _is_int(budget_bytes) or budget_bytes < 1):
+        raise ValueError(
+            f"budget_bytes must be a positive int (bytes at the accounting dtype) or None for no budget, "
+            f"not {budget_bytes!r}"
+        )
+    for name, value in (("block_size", block_size), ("capacity_tokens", capacity_tokens)):
+        if not _is_int(value) or value < 1:
+            raise ValueError(f"{name} must be a positive int (tokens), not {value!r}")
+    if prefill_chunk is not None and not _is_int(prefill_chunk):
+        raise ValueError(f"prefill_chunk must be a positive int or None, not {prefill_chunk!r}")
+
+
 class Engine:
     """A model with a shared page store, an optional prefix cache and an eviction policy.
 
@@ -78,6 +98,7 @@ class Engine:
         prefill_chunk: int | None = None,
         capacity_tokens: int = 256,
     ):
+        _check_engine_args(budget_bytes, block_size, prefill_chunk, capacity_tokens)
         self.model = model
         self.store = KVStore(
             model.config,
@@ -102,6 +123,22 @@ class Engine:
         if self.index is not None:
             self.store.holders["prefix cache"] = self._index_bytes
         self._open = 0
+
+    def _check_request(self, cache: QuantizedCache, ids: Sequence[int] = ()) -> None:
+        """A cache opened by this engine (its pages live in this store) and token ids the model has."""
+        if getattr(cache, "store", None) is not self.store:
+            raise ValueError(
+                "this cache was not opened by this Engine (its pages live in another store, or none); "
+                "use engine.open() of the engine that runs it"
+            )
+        vocab = getattr(getattr(self.model, "config", None), "vocab_size", None)
+        if vocab is not None:
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(
+                    f"token id {bad[0]} is outside the model's vocabulary 0..{vocab - 1} "
+                    f"({len(bad)} such ids); encode the text with the model's tokenizer"
+                )
 
     def _evict(self, need_bytes: int) -> int:
         return self.policy.evict(self.index, need_bytes)
@@ -143,6 +180,7 @@ class Engine:
         `boundaries`: positions (e.g. a shared system prompt's end) where a forward ends and the cache is
         registered, so that windowed schemes can resume there (their FP window is cached at that point)."""
         ids = [int(t) for t in ids]
+        self._check_request(cache, ids)
         t0 = time.perf_counter()
         hit = Hit(0, 0, 0)
         if self.index is not None and cache.get_seq_length() == 0:
@@ -175,6 +213,7 @@ class Engine:
     @torch.no_grad()
     def step(self, cache: QuantizedCache, token: int) -> torch.Tensor:
         """One decoding step: feed `token`, return the next token's logits (V,)."""
+        self._check_request(cache, [int(token)])
         try:
             out = self.model(torch.tensor([[int(token)]], device=self.model.device), cache=cache)
         except BaseException:

@@ -112,3 +112,12 @@ def test_pool_growth_is_bounded_and_keeps_contents():
     assert pool.trim() == before - 100
     assert pool.capacity == 100 and pool.in_use == 100
     pool.check()
+
+
+def test_a_token_group_longer_than_the_model_is_refused_before_any_page():
+    """`int4-channel-g100003` reserved 3.7 GB for 40 tokens on a 2-layer model (pages of lcm(16, N) tokens);
+    a cache built with the model's config refuses it, naming the model's positions."""
+    from kvquant.scheme import SchemeError
+
+    with pytest.raises(SchemeError, match="2,048 positions"):
+        kvquant.QuantizedCache("int4-channel-g100003", make_tiny_config())

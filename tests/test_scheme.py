@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given
@@ -236,3 +239,24 @@ def test_group_dividing_head_dim_accepted():
     k = torch.randn(1, 2, 3, 64)
     cache.update(k, k, 0)
     assert cache.get_seq_length() == 3
+
+
+# ---------------------------------------------------------------------------------------- compatibility
+
+_GOLDEN = json.loads((Path(__file__).parent / "scheme_golden.json").read_text(encoding="utf-8"))["schemes"]
+
+
+@pytest.mark.parametrize("text", sorted(_GOLDEN))
+def test_strings_that_parsed_before_parse_the_same(text):
+    """Every scheme string of the examples, presets and the repository's code that parsed before the grammar
+    was tightened (issue 21) parses to the same scheme now (tests/scheme_golden.json: text -> the canonical
+    form the earlier parser gave). Only the refused forms (duplicates, bf16/fp32/none/int16, empty items,
+    out-of-bound numbers) and calib paths with spaces (kept now) are absent from it."""
+    s = parse_scheme(text)
+    assert str(s) == _GOLDEN[text]
+    assert s == parse_scheme(_GOLDEN[text]) and parse_scheme(str(s)) == s
+
+
+def test_the_compatibility_table_holds_the_earlier_examples_and_presets():
+    earlier = [t for t in list_schemes() if t in _GOLDEN]
+    assert len(_GOLDEN) >= 150 and len(earlier) >= 28 and {"kivi-2", "kivi-4", "fp16-rot"} <= set(earlier)

@@ -160,6 +160,7 @@ def test_flags_are_never_silently_replaced():
 )
 def test_unavailable_device_is_refused_before_loading(tmp_path, tiny_model_dir, tiny_corpus, capsys):
     argv = ["--scheme", "int8", "--model", str(tiny_model_dir), "--corpus", str(tiny_corpus)]
+    argv += ["--max-length", "300"]  # within the tiny model's 2,048 positions (8,192 is refused first)
     assert cli.cli([*argv, "--device", "cuda", "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --device cuda: torch") and "sees no CUDA device; use --device cpu" in err
