@@ -35,6 +35,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 import kvquant
+from kvquant.plan import LayerPlan
 from kvquant.scheme import Scheme
 
 from . import scoring
@@ -121,15 +122,14 @@ class BucketStats:
 # ------------------------------------------------------------------------------------------------ caches
 
 
-def _fake_quantize_stored(x: torch.Tensor, scheme: Scheme, spec) -> torch.Tensor:
-    """x (B, H_kv, T, D) as a QuantizedCache fed x at once would store it: the first `sink` tokens exact,
-    then whole token groups quantized-and-dequantized, then at least `window` tokens (and any incomplete
-    channel group) exact."""
+def _fake_quantize_stored(x: torch.Tensor, plan: LayerPlan, spec) -> torch.Tensor:
+    """x (B, H_kv, T, D) as a QuantizedCache fed x at once would store it, by the layer's plan: the first
+    `sink` tokens exact (none on a sliding layer), then whole token groups quantized-and-dequantized, then at
+    least `window` tokens (and any incomplete channel group) exact."""
     t = x.shape[2]
-    sink = min(scheme.sink, t)
-    step = scheme.tokens_per_flush
-    body = max(t - sink - scheme.window, 0) // step * step
-    if body == 0 or not spec.is_quantized:
+    sink = min(plan.sink, t)
+    body = plan.quantized_end(t) - sink
+    if body <= 0 or not spec.is_quantized:
         return x
     mid = kvquant.fake_quantize(x[:, :, sink : sink + body], spec)
     return torch.cat([x[:, :, :sink], mid, x[:, :, sink + body :]], dim=2)
@@ -138,17 +138,24 @@ def _fake_quantize_stored(x: torch.Tensor, scheme: Scheme, spec) -> torch.Tensor
 class FakeQuantLayer(DynamicLayer):
     """Stores K/V exactly; `update` returns everything stored, fake-quantized as a QuantizedCache holding
     those tokens would read back after one update (sink exact, body quantized from the sink on, window
-    exact). Each update re-derives the body from exact values: use it for single-forward (fake) evaluation."""
+    exact), by the same `LayerPlan` the cache's layer has (so a sliding layer drops its sinks here too).
+    Each update re-derives the body from exact values: use it for single-forward (fake) evaluation."""
 
-    def __init__(self, scheme: Scheme):
+    def __init__(self, scheme: Scheme, sliding_window: int | None = None):
         super().__init__()
-        self.scheme = scheme
+        self.scheme, self.sliding_window = scheme, sliding_window
+        self.plan: LayerPlan | None = None
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.plan is None:
+            _, h, _, d = key_states.shape
+            self.plan = LayerPlan.build(
+                self.scheme, heads=h, head_dim=d, dtype=key_states.dtype, sliding_window=self.sliding_window
+            )
         keys, values = super().update(key_states, value_states, *args, **kwargs)
         return (
-            _fake_quantize_stored(keys, self.scheme, self.scheme.key),
-            _fake_quantize_stored(values, self.scheme, self.scheme.value),
+            _fake_quantize_stored(keys, self.plan, self.scheme.key),
+            _fake_quantize_stored(values, self.plan, self.scheme.value),
         )
 
 
@@ -157,16 +164,17 @@ class FakeQuantCache(Cache):
 
     def __init__(self, scheme: Scheme | str, config=None):
         self.scheme = kvquant.parse_scheme(scheme)
-        if config is not None:
-            self.scheme.check_head_dim(kvquant.memory.KVShape.from_config(config).head_dim)
-        if self.scheme.layers:  # per-layer specs: each layer fake-quantizes with its own
-            if config is None:
+        if config is None:
+            if self.scheme.layers:
                 raise ValueError(f"scheme {self.scheme} has per-layer specs: pass the model's config")
-            n = kvquant.memory.KVShape.from_config(config).num_layers
-            self.scheme.check_num_layers(n)
-            super().__init__(layers=[FakeQuantLayer(self.scheme.for_layer(i)) for i in range(n)])
+            super().__init__(layer_class_to_replicate=lambda: FakeQuantLayer(self.scheme))
             return
-        super().__init__(layer_class_to_replicate=lambda: FakeQuantLayer(self.scheme))
+        shape = kvquant.memory.KVShape.from_config(config)
+        self.scheme.check_head_dim(shape.head_dim)
+        self.scheme.check_num_layers(shape.num_layers)
+        n = shape.num_layers
+        layers = [FakeQuantLayer(self.scheme.for_layer(i), shape.window_of(i)) for i in range(n)]
+        super().__init__(layers=layers)
 
 
 def make_cache(scheme: EvalScheme | None, config, mode: str) -> Cache:

@@ -210,7 +210,7 @@ def _fresh_masks(
     """(quantized (q, n) bool, the FP copies' mask (B or 1, 1, q, n)) for the body tokens the update before
     this call encoded (view.fresh_*), or None when every query sees all of them as stored.
 
-    Query p (an absolute position) would have seen key j quantized only if j < scheme.quantized_end(p + 1);
+    Query p (an absolute position) would have seen key j quantized only if j < plan.quantized_end(p + 1);
     a later query of the same chunk may see more of them quantized than an earlier one. So those keys are read
     twice: as stored (quantized) where a query saw them quantized, and from their FP copy elsewhere. Without
     this, a query would see its own near past quantized although a decoder keeps it in the FP window, and
@@ -221,7 +221,7 @@ def _fresh_masks(
     f0 = view.fresh_start
     n = view.fresh_k.shape[2]
     pos = torch.arange(kv_len - q, kv_len, device=query.device) + view.start  # (q,) absolute positions
-    ends = quantized_ends(view.scheme, pos + 1)  # (q,)
+    ends = view.plan.quantized_ends(pos + 1)  # (q,): the layer plan's storage rule
     j = torch.arange(f0, f0 + n, device=query.device)
     quantized = j[None, :] < ends[:, None]  # (q, n): query p sees key j quantized
     if bool(quantized.all()):
@@ -324,13 +324,6 @@ class _OneTokenRows:
 
 
 _FP_FIELD = _OneTokenRows()
-
-
-def quantized_ends(scheme, num_tokens: torch.Tensor) -> torch.Tensor:
-    """`scheme.quantized_end(n)` for every n of an integer tensor, at once (the same formula)."""
-    sink = num_tokens.clamp(max=scheme.sink)
-    step = scheme.tokens_per_flush
-    return sink + (num_tokens - sink - scheme.window).clamp(min=0) // step * step
 
 
 def register_attention() -> None:

@@ -44,6 +44,12 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_BLOCK_SIZE = 16  # tokens per page, as vLLM
 
+_MATERIALIZE_COST = (
+    "QuantizedLayer.keys / .values (and iterating a QuantizedCache) decode a whole layer from its pages into "
+    "a new (B, H_kv, T, D) tensor on every access: full-precision memory and a decode per call. kvquant's "
+    "attention never needs them; read them to inspect a cache, not inside a generation loop"
+)
+
 
 _NOT_KVQUANT_ATTENTION = (
     "a QuantizedCache layer reached an attention implementation that is not kvquant's; load the model "
@@ -88,6 +94,7 @@ class LayerView:
     fresh_v: torch.Tensor | None = None
     fresh_start: int = 0
     kernel_registry: object | None = None  # kvquant.kernels.registry.KernelRegistry when kernels serve it
+    plan: LayerPlan | None = None  # the layer's storage rule (which keys a query of a chunk saw quantized)
 
     # An attention implementation other than kvquant's gets a LayerView where it expects a tensor; when
     # the cache had no config to check up front, fail with what to do rather than a bare TypeError.
@@ -293,7 +300,7 @@ class QuantizedLayer(CacheLayerMixin):
         k, v hold positions q0 .. p1 - 1. Returns the FP K/V just encoded and their first position."""
         sink = self.scheme.sink
         body_end = sink + self.body_len
-        n = self.scheme.quantized_end(p1) - body_end
+        n = self.plan.quantized_end(p1) - body_end
         if n <= 0:
             return None
         if body_end < self.dropped:  # a sliding layer released them before they left the window: skip
@@ -376,6 +383,7 @@ class QuantizedLayer(CacheLayerMixin):
             fresh_v=fresh_v,
             fresh_start=fresh_start,
             kernel_registry=self._registry,
+            plan=self.plan,
         )
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -494,6 +502,46 @@ class QuantizedLayer(CacheLayerMixin):
     @property
     def sink_len(self) -> int:
         return min(self.scheme.sink, self.length)
+
+    # ---- materialised K/V, for code that reads a layer as it would transformers' DynamicLayer
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """Every key the layer holds, decoded from its pages: (B, H_kv, T, D) in the model's dtype, None
+        before the first update. A new copy on every access (kvquant's attention reads the pages as stored
+        and never needs it); on a sliding-window layer T counts the tokens still held."""
+        return self._materialized("keys")
+
+    @keys.setter
+    def keys(self, value) -> None:
+        self._refuse_write("keys", value)
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """Every value the layer holds, decoded: (B, H_kv, T, D), as `keys`."""
+        return self._materialized("values")
+
+    @values.setter
+    def values(self, value) -> None:
+        self._refuse_write("values", value)
+
+    def _materialized(self, which: str) -> torch.Tensor | None:
+        if not self.is_initialized:
+            return None
+        said = self.kernels._said  # one warning per cache: its layers share the handle
+        if _MATERIALIZE_COST not in said:
+            said.add(_MATERIALIZE_COST)
+            logger.warning(_MATERIALIZE_COST)
+        view = self.view()
+        return view.keys(self.dtype) if which == "keys" else view.values(self.dtype)
+
+    @staticmethod
+    def _refuse_write(which: str, value) -> None:
+        if value is not None:  # transformers' CacheLayerMixin.__init__ writes None; nothing else may write
+            raise AttributeError(
+                f"QuantizedLayer.{which} is decoded from the layer's pages and cannot be assigned; append "
+                "with update(), remove with crop() or reset()"
+            )
 
     @property
     def recent_len(self) -> int:
@@ -815,6 +863,18 @@ class QuantizedCache(Cache):
     def reserved_bytes(self) -> int:
         """Bytes preallocated by every layer's page pools (>= nbytes())."""
         return sum(layer.reserved_bytes() for layer in self.layers)
+
+    def __iter__(self):
+        """Per layer (keys, values, sliding_window), as transformers 5.x's DynamicCache yields them (so
+        `DynamicCache(ddp_cache_data=cache)` rebuilds it unquantized): K/V decoded (B, H_kv, T, D), a copy
+        each (`QuantizedLayer.keys`), and the window as a 0-d long tensor on sliding-window layers, else None.
+        Like DynamicCache, the cache is not subscriptable: `cache.layers[i].keys` reads one layer."""
+        for layer in self.layers:
+            window = None
+            if layer.sliding_window is not None:
+                device = layer.device if layer.is_initialized else None
+                window = torch.tensor(layer.sliding_window, dtype=torch.long, device=device)
+            yield layer.keys, layer.values, window
 
     def __repr__(self) -> str:
         scheme, n, tokens = str(self.scheme), len(self.layers), self.get_seq_length()

@@ -13,12 +13,12 @@ window) up to whole pages, exactly as the store holds them; `bytes_per_token` is
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from .codec import codec_for
+from .plan import LayerPlan
 from .scheme import QuantSpec, Scheme, parse_scheme
 
 __all__ = [
@@ -28,7 +28,7 @@ __all__ = [
     "bytes_per_token",
     "fp16_bytes_per_token",
     "cache_bytes",
-    "layer_pages",
+    "layer_plans",
     "effective_bits",
     "saving",
     "KNOWN_PARAMS",
@@ -118,34 +118,24 @@ def fp16_bytes_per_token(config, dtype: torch.dtype | int = torch.float16) -> in
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * _dtype_bytes(dtype)
 
 
-def _pages(lo: int, hi: int, block_size: int) -> int:
-    """Pages holding region tokens [lo, hi): logical pages lo // bs .. (hi - 1) // bs."""
-    return 0 if hi <= lo else (hi - 1) // block_size - lo // block_size + 1
-
-
-def layer_pages(
-    scheme: Scheme, num_tokens: int, block_size: int, sliding_window: int | None = None
-) -> tuple[int, int]:
-    """(FP pages, body pages) one sequence of one layer holds after num_tokens tokens: the store's rules
-    (`kvquant.cache.QuantizedLayer`) as arithmetic. block_size is the effective one (a multiple of every
-    token group)."""
-    sink = 0 if sliding_window is not None else min(scheme.sink, num_tokens)
-    s = 0 if sliding_window is not None else scheme.sink
-    body_end = (
-        scheme.quantized_end(num_tokens) if sliding_window is None else _sliding_end(scheme, num_tokens)
-    )
-    dropped = 0
-    if sliding_window is not None:
-        dropped = max(num_tokens - sliding_window + 1, 0) // block_size * block_size
-    body_lo, body_hi = max(dropped - s, 0), max(body_end - s, 0)
-    recent_lo, recent_hi = max(body_end, dropped) - s, num_tokens - s
-    fp = _pages(0, sink, block_size) + _pages(recent_lo, recent_hi, block_size)
-    return fp, _pages(body_lo, body_hi, block_size)
-
-
-def _sliding_end(scheme: Scheme, num_tokens: int) -> int:
-    """quantized_end on a sliding layer, whose scheme has no sink."""
-    return Scheme(scheme.key, scheme.value, 0, scheme.window).quantized_end(num_tokens)
+def layer_plans(
+    config, scheme: Scheme | str, dtype: torch.dtype | int = torch.float16, block_size: int = 16
+) -> list[LayerPlan]:
+    """Every layer's `LayerPlan` (codecs at `dtype`, no calibration tables: sizes only)."""
+    shape, scheme = KVShape.from_config(config), parse_scheme(scheme)
+    scheme.check_num_layers(shape.num_layers)
+    dtype = _torch_dtype(dtype)
+    return [
+        LayerPlan.build(
+            scheme.for_layer(i),
+            heads=shape.num_kv_heads,
+            head_dim=shape.head_dim,
+            dtype=dtype,
+            block_size=block_size,
+            sliding_window=shape.window_of(i),
+        )
+        for i in range(shape.num_layers)
+    ]
 
 
 def cache_bytes(
@@ -157,21 +147,9 @@ def cache_bytes(
     block_size: int = 16,
 ) -> int:
     """Exact bytes a QuantizedCache holds after num_tokens tokens per sequence: whole pages of the sink,
-    the body and the recent window, per layer (sliding-window layers at their window)."""
-    shape, scheme = KVShape.from_config(config), parse_scheme(scheme)
-    scheme.check_num_layers(shape.num_layers)
-    dtype = _torch_dtype(dtype)
-    total = 0
-    for layer in range(shape.num_layers):
-        ls = scheme.for_layer(layer)  # the layer's own specs (per-layer schemes)
-        kc = codec_for(ls.key, shape.num_kv_heads, shape.head_dim, dtype)
-        vc = codec_for(ls.value, shape.num_kv_heads, shape.head_dim, dtype)
-        bs = math.lcm(block_size, kc.token_group, vc.token_group)
-        fp_page = 2 * shape.num_kv_heads * bs * shape.head_dim * dtype.itemsize
-        body_page = kc.bytes(bs) + vc.bytes(bs)
-        fp, body = layer_pages(ls, num_tokens, bs, shape.window_of(layer))
-        total += fp * fp_page + body * body_page
-    return batch * total
+    the body and the recent window, per layer (sliding-window layers at their window), as each layer's plan
+    says (`kvquant.plan.LayerPlan.bytes_for`)."""
+    return batch * sum(p.bytes_for(num_tokens) for p in layer_plans(config, scheme, dtype, block_size))
 
 
 def effective_bits(config, scheme: Scheme | str, dtype: torch.dtype | int = torch.float16) -> float:
@@ -240,18 +218,18 @@ def _shared_layout(
 ) -> tuple[int, int]:
     """(shared bytes, window-copy bytes) of a prefix over every full-attention layer."""
     dtype = _torch_dtype(dtype)  # both public callers accept a byte count too
-    kc = codec_for(scheme.key, shape.num_kv_heads, shape.head_dim, dtype)
-    vc = codec_for(scheme.value, shape.num_kv_heads, shape.head_dim, dtype)
-    bs = math.lcm(block_size, kc.token_group, vc.token_group)
+    plan = LayerPlan.build(
+        scheme, heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=dtype, block_size=block_size
+    )
+    bs = plan.block_size
     prefix = min(shared_prefix, context - 1)  # a request computes at least its last token
-    sink = scheme.sink
+    sink = plan.sink
     if prefix < sink or prefix <= 0:
         return 0, 0
-    fp_page = 2 * shape.num_kv_heads * bs * shape.head_dim * dtype.itemsize
-    body_page = kc.bytes(bs) + vc.bytes(bs)
+    fp_page, body_page = plan.page_bytes()
     resume = sink + (prefix - sink) // bs * bs
-    body_len = scheme.quantized_end(resume) - min(sink, resume)
-    shared = _pages(0, sink, bs) * fp_page + body_len // bs * body_page
+    body_len = plan.quantized_end(resume) - min(sink, resume)
+    shared = -(-sink // bs) * fp_page + body_len // bs * body_page
     window = ((resume - sink) // bs - body_len // bs) * fp_page
     full_layers = shape.num_layers - len(shape.sliding_layers)
     return full_layers * shared, full_layers * window

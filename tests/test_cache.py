@@ -11,6 +11,7 @@ from transformers import DynamicCache
 import kvquant
 from kvquant import memory
 from kvquant.cache import QuantizedLayer
+from kvquant.plan import _pages as _plan_pages
 from kvquant.scheme import SchemeError
 
 # ---------------------------------------------------------------------------------------- helpers
@@ -48,8 +49,8 @@ def _held_bytes(layer: QuantizedLayer) -> int:
     body_lo, body_hi = max(layer.dropped - layer.scheme.sink, 0), layer.body_len
     rec_lo = max(layer.scheme.sink + layer.body_len, layer.dropped) - layer.scheme.sink
     rec_hi = layer.length - layer.scheme.sink
-    fp = memory._pages(0, sink_end, bs) + memory._pages(rec_lo, rec_hi, bs)
-    body = memory._pages(body_lo, body_hi, bs)
+    fp = _plan_pages(0, sink_end, bs) + _plan_pages(rec_lo, rec_hi, bs)
+    body = _plan_pages(body_lo, body_hi, bs)
     return layer.batch_size * (fp * layer.fp_pool.page_bytes + body * layer.body_pool.page_bytes)
 
 
@@ -501,9 +502,12 @@ def test_repr(model):
 @pytest.mark.parametrize(
     "scheme", ["int8", "kivi-2", "k=int4-channel-g16,v=int4-g16,sink=4,window=8", "fp16,sink=3"]
 )
-def test_vectorized_quantized_ends_equal_the_scheme(scheme):
-    from kvquant.attention import quantized_ends
+def test_vectorized_quantized_ends_equal_the_scalar_rule(scheme):
+    from kvquant.plan import LayerPlan
 
     s = kvquant.parse_scheme(scheme)
-    n = torch.arange(0, 400)
-    assert quantized_ends(s, n).tolist() == [s.quantized_end(int(i)) for i in n]
+    for window in (None, 32):  # a sliding layer's plan drops the sink, in both forms
+        plan = LayerPlan.build(s, heads=2, head_dim=64, dtype=torch.float32, sliding_window=window)
+        n = torch.arange(0, 400)
+        assert plan.quantized_ends(n).tolist() == [plan.quantized_end(int(i)) for i in n]
+        assert plan.sink == (0 if window else s.sink)

@@ -130,3 +130,31 @@ def test_peer_scheme_runs_if_installed(tiny_model, ids):
         from kvquant.eval.measure import make_cache
 
         make_cache(peer, tiny_model.config, "fake")
+
+
+def test_fake_mode_follows_the_cache_sink_rule_on_sliding_layers():
+    """One plan per layer: a sliding layer drops its sinks in the cache (its mask never lets a query see a
+    key behind the window), and fake mode now measures that same cache (it used to keep them exact)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tiny_models import make_tiny_gemma
+
+    from kvquant.eval.measure import FakeQuantCache, _fake_quantize_stored
+
+    model = make_tiny_gemma(sliding_window=64)
+    ids = torch.randint(1, 500, (1, 48), generator=torch.Generator().manual_seed(0))
+    scheme = "int2-g32,sink=4"
+    fake = FakeQuantCache(scheme, model.config)
+    cache = kvquant.QuantizedCache(scheme, model.config, backend="torch")
+    with torch.no_grad():
+        model(ids, past_key_values=fake, use_cache=True)
+        model(ids, past_key_values=cache, use_cache=True)
+    for i, kind in enumerate(model.config.layer_types):
+        lay = fake.layers[i]
+        seen = _fake_quantize_stored(lay.keys, lay.plan, lay.scheme.key)
+        sinks_exact = torch.equal(seen[:, :, :4], lay.keys[:, :, :4])
+        assert sinks_exact == (kind == "full_attention")
+        assert cache.layers[i].sink_len == (4 if kind == "full_attention" else 0)
+        assert lay.plan.sink == cache.layers[i].plan.sink
