@@ -385,8 +385,8 @@ def _forcing_budget(row: RowResult, fraction: float, model, block_size: int) -> 
     and sequence: the running requests were sampled once per tick, a forward may take a little more."""
     from kvquant import memory
 
-    shape = memory.KVShape.from_config(model.config)
-    margin = 2 * 2 * shape.num_layers * shape.num_kv_heads * block_size * shape.head_dim * 2
+    # two FP pages per layer, as each layer's plan sizes them at FP16 (the store's accounting dtype)
+    margin = 2 * sum(p.page_bytes()[0] for p in memory.layer_plans(model.config, "fp16", 2, block_size))
     running = row.running_peak_bytes + margin
     return int(running + fraction * max(row.peak_bytes - running, 0))
 
