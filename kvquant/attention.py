@@ -68,12 +68,16 @@ def kvquant_attention(
 
 @dataclass(frozen=True)
 class _Segment:
-    """Stored keys/values of view columns [col, col + n) as attention reads them, with their mask."""
+    """Stored keys/values of view columns [col, col + n) as attention reads them.
+
+    fresh: None for keys every query reads as stored; "stored" for a body block that may hold keys the
+    update before this call encoded (a query reads those only if it saw them quantized); "copy" for the FP
+    copies of those keys (read only by the queries that saw them unquantized). See `_Masks`."""
 
     key: torch.Tensor  # (B, H_kv, n, D) in the working dtype
     value: torch.Tensor
     col: int
-    mask: torch.Tensor | None  # (B or 1, 1, q, n) bool (True = attend) or float (added); None = all
+    fresh: str | None = None
 
 
 def reference_attention(
@@ -99,14 +103,16 @@ def reference_attention(
         raise ValueError(f"{hq} query heads cannot share {hkv} KV heads (H_q must be a multiple of H_kv)")
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
     scale = scaling if scaling is not None else d**-0.5
-    mask = _base_mask(query, view, attention_mask)
+    masks = _Masks(query, view, attention_mask)
     state = _Merge(b, hq, q, d, work, query.device)
     tiled = q > _DIRECT_QUERIES
-    for seg in _segments(view, query, mask, work, stream_tokens):
+    for seg in _segments(view, masks, work, stream_tokens):
         if tiled:
-            _tiles(query, seg, scale, state)
+            _tiles(query, seg, masks, scale, state)
         else:
-            state.add(*_direct(query, seg, scale, work))
+            visible, mask = masks.tile(slice(0, q), seg.col, seg.key.shape[2], seg.fresh)
+            if visible:
+                state.add(*_direct(query, seg, mask, scale, work))
     return state.result().transpose(1, 2).contiguous().to(query.dtype)  # (B, q, H_q, D)
 
 
@@ -136,7 +142,7 @@ class _Merge:
 
 
 def _direct(
-    query: torch.Tensor, seg: _Segment, scale: float, work: torch.dtype
+    query: torch.Tensor, seg: _Segment, mask: torch.Tensor | None, scale: float, work: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One segment for a few queries: (out (B, H_q, q, D), lse (B, H_q, q)), scores in `work`."""
     b, hq, q, d = query.shape
@@ -144,12 +150,12 @@ def _direct(
     g = hq // hkv
     qg = query.to(work).reshape(b, hkv, g * q, d)  # (B, H_kv, g*q, D): query heads of a KV head together
     s = torch.matmul(qg, seg.key.transpose(-1, -2)) * scale  # (B, H_kv, g*q, n)
-    if seg.mask is not None:
+    if mask is not None:
         s5 = s.view(b, hkv, g, q, n)
-        if seg.mask.dtype == torch.bool:
-            s5.masked_fill_(~seg.mask.unsqueeze(2), float("-inf"))
+        if mask.dtype == torch.bool:
+            s5.masked_fill_(~mask.unsqueeze(2), float("-inf"))
         else:
-            s5.add_(seg.mask.unsqueeze(2).to(work))
+            s5.add_(mask.unsqueeze(2).to(work))
     mx = s.amax(dim=-1, keepdim=True)
     base = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # all masked: no NaN
     p = torch.exp(s - base)
@@ -159,7 +165,7 @@ def _direct(
     return out.view(b, hq, q, d), lse.view(b, hq, q)
 
 
-def _tiles(query: torch.Tensor, seg: _Segment, scale: float, state: _Merge) -> None:
+def _tiles(query: torch.Tensor, seg: _Segment, masks: _Masks, scale: float, state: _Merge) -> None:
     """One segment for a chunk of queries, through torch's fused CPU attention one query tile at a time;
     tiles the mask hides entirely are skipped, tiles it leaves whole run unmasked."""
     b, hq, q, d = query.shape
@@ -168,11 +174,11 @@ def _tiles(query: torch.Tensor, seg: _Segment, scale: float, state: _Merge) -> N
     v = seg.value.to(query.dtype).repeat_interleave(g, dim=1) if g > 1 else seg.value.to(query.dtype)
     for q0 in range(0, q, _QUERY_TILE):
         rows = slice(q0, min(q, q0 + _QUERY_TILE))
-        tile = None if seg.mask is None else seg.mask[:, :, rows]  # (B or 1, 1, r, n)
+        visible, tile = masks.tile(rows, seg.col, seg.key.shape[2], seg.fresh)  # (B or 1, 1, r, n) or None
+        if not visible:
+            continue  # hidden: the causal upper triangle, or keys a query saw in another copy
         float_mask, empty_rows = None, None
         if tile is not None and tile.dtype == torch.bool:
-            if not bool(tile.any()):
-                continue  # hidden: the causal upper triangle, or keys outside a query's window
             if not bool(tile.all()):
                 float_mask = torch.zeros(tile.shape, dtype=query.dtype, device=query.device)
                 float_mask.masked_fill_(~tile, float("-inf"))
@@ -189,91 +195,110 @@ def _tiles(query: torch.Tensor, seg: _Segment, scale: float, state: _Merge) -> N
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, logsumexp)
 
 
-def _base_mask(
-    query: torch.Tensor, view: LayerView, attention_mask: torch.Tensor | None
-) -> torch.Tensor | None:
-    """The mask over the view's T columns: the model's (first T columns), causal by absolute position when
-    the model passed none for several queries, None (every key) for one query."""
-    q, kv_len = query.shape[2], view.shape[2]
-    if attention_mask is not None:
-        return attention_mask[..., :kv_len]
-    if q == 1:
-        return None
-    cols = torch.arange(kv_len, device=query.device)
-    rows = torch.arange(kv_len - q, kv_len, device=query.device)
-    return (cols[None, :] <= rows[:, None])[None, None]  # (1, 1, q, T) bottom-right causal
+class _Masks:
+    """Which keys each query attends to, tile by tile, built only for the tiles read (never a (q, T) mask
+    for a causal chunk).
+
+    Columns are the view's key indices. The base rule is the model's mask (its first T columns), or, when the
+    model passed none, causal by position for several queries and every key for one. Decode-exact chunks
+    narrow it for the body tokens the update before this call encoded (view.fresh_*, columns [F0, F1)):
+    query p (an absolute position) would have seen key j quantized only if j < plan.quantized_end(p + 1),
+    and a later query of the same chunk may see more of them quantized than an earlier one. So those keys
+    are read twice: as stored (quantized) by the queries that saw them quantized, and from their FP copy by
+    the others. Without this, a query would see its own near past quantized although a decoder keeps it in
+    the FP window, and results would depend on the chunk size."""
+
+    def __init__(self, query: torch.Tensor, view: LayerView, attention_mask: torch.Tensor | None):
+        q, kv_len = query.shape[2], view.shape[2]
+        self.device = query.device
+        self.q0_col = kv_len - q  # column of query 0's own key
+        self.explicit = attention_mask[..., :kv_len] if attention_mask is not None else None
+        self.causal = attention_mask is None and q > 1
+        self.fresh_cols = (0, 0)
+        self.ends: torch.Tensor | None = None  # (q,) column before which each query saw keys quantized
+        self.copies_needed = False
+        if view.fresh_k is not None and q > 1:
+            f0 = view.fresh_start - view.start
+            self.fresh_cols = (f0, f0 + view.fresh_k.shape[2])
+            pos = torch.arange(kv_len - q, kv_len, device=self.device) + view.start  # absolute positions
+            self.ends = view.plan.quantized_ends(pos + 1) - view.start  # nondecreasing in the query
+            self.copies_needed = self._any_copy_visible()
+
+    def _any_copy_visible(self) -> bool:
+        """Whether some query may attend to a fresh key it saw unquantized (never without a window)."""
+        f0, f1 = self.fresh_cols
+        lo = self.ends.clamp(min=f0)  # first fresh column each query saw unquantized
+        if self.causal:
+            own = torch.arange(self.ends.shape[0], device=self.device) + self.q0_col
+            return bool((torch.minimum(own + 1, torch.full_like(own, f1)) > lo).any())
+        return bool((lo < f1).any())  # the model's own mask decides tile by tile
+
+    def tile(self, rows: slice, c0: int, n: int, fresh: str | None) -> tuple[bool, torch.Tensor | None]:
+        """(visible, mask) of query rows x key columns [c0, c0 + n): visible False when no query of the rows
+        attends to any of the keys; mask None when every one attends to every key, else (B or 1, 1, r, n)
+        bool (True = attend) or the model's float mask."""
+        if fresh == "copy" and not self.copies_needed:
+            return False, None
+        r0, r1 = rows.start, rows.stop
+        mask = None
+        if self.explicit is not None:
+            mask = self.explicit[:, :, r0:r1, c0 : c0 + n]
+        elif self.causal:
+            first, last = self.q0_col + r0, self.q0_col + r1 - 1  # own columns of the first and last rows
+            if c0 > last:
+                return False, None
+            if c0 + n - 1 > first:  # the diagonal crosses the tile
+                own = torch.arange(first, last + 1, device=self.device)
+                cols = torch.arange(c0, c0 + n, device=self.device)
+                mask = (cols[None, :] <= own[:, None])[None, None]
+        keep = self._fresh_keep(r0, r1, c0, n, fresh)
+        if keep is not None:
+            if mask is None:
+                mask = keep[None, None]
+            elif mask.dtype == torch.bool:
+                mask = mask & keep
+            else:
+                mask = torch.where(keep, mask, torch.full_like(mask, float("-inf")))
+        if mask is not None and mask.dtype == torch.bool and not bool(mask.any()):
+            return False, None
+        return True, mask
+
+    def _fresh_keep(self, r0: int, r1: int, c0: int, n: int, fresh: str | None) -> torch.Tensor | None:
+        """(r, n) bool: which of the tile's keys each query reads in this copy; None: no narrowing."""
+        if fresh is None or self.ends is None:
+            return None
+        f0, f1 = self.fresh_cols
+        lo, hi = max(c0, f0), min(c0 + n, f1)
+        if lo >= hi:
+            return None
+        ends = self.ends[r0:r1]
+        if fresh == "stored" and hi <= int(ends[0]):  # every query saw these keys quantized
+            return None
+        cols = torch.arange(c0, c0 + n, device=self.device)
+        quantized = cols[None, :] < ends[:, None]  # (r, n)
+        if fresh == "copy":
+            return ~quantized
+        in_fresh = (cols >= lo) & (cols < hi)
+        return quantized | ~in_fresh[None, :]
 
 
-def _fresh_masks(
-    query: torch.Tensor, view: LayerView, mask: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(quantized (q, n) bool, the FP copies' mask (B or 1, 1, q, n)) for the body tokens the update before
-    this call encoded (view.fresh_*), or None when every query sees all of them as stored.
-
-    Query p (an absolute position) would have seen key j quantized only if j < plan.quantized_end(p + 1);
-    a later query of the same chunk may see more of them quantized than an earlier one. So those keys are read
-    twice: as stored (quantized) where a query saw them quantized, and from their FP copy elsewhere. Without
-    this, a query would see its own near past quantized although a decoder keeps it in the FP window, and
-    results would depend on the chunk size."""
-    if view.fresh_k is None or query.shape[2] == 1:
-        return None
-    q, kv_len = query.shape[2], view.shape[2]
-    f0 = view.fresh_start
-    n = view.fresh_k.shape[2]
-    pos = torch.arange(kv_len - q, kv_len, device=query.device) + view.start  # (q,) absolute positions
-    ends = view.plan.quantized_ends(pos + 1)  # (q,): the layer plan's storage rule
-    j = torch.arange(f0, f0 + n, device=query.device)
-    quantized = j[None, :] < ends[:, None]  # (q, n): query p sees key j quantized
-    if bool(quantized.all()):
-        return None
-    c0 = f0 - view.start
-    cols = mask[..., c0 : c0 + n] if mask is not None else None
-    fp_copies = _restrict(cols, ~quantized)
-    if fp_copies.dtype == torch.bool and not bool(fp_copies.any()):
-        return None  # every query saw as stored each fresh key it may attend to (no window): read them once
-    return quantized, fp_copies
-
-
-def _restrict(mask: torch.Tensor | None, keep: torch.Tensor) -> torch.Tensor:
-    """mask (B or 1, 1, q, n) (None = all) narrowed to where keep (q, n) holds."""
-    if mask is None:
-        return keep[None, None]
-    if mask.dtype == torch.bool:
-        return mask & keep
-    return torch.where(keep, mask, torch.full_like(mask, float("-inf")))
-
-
-def _segments(
-    view: LayerView, query: torch.Tensor, mask: torch.Tensor | None, work: torch.dtype, stream_tokens: int
-) -> Iterator[_Segment]:
+def _segments(view: LayerView, masks: _Masks, work: torch.dtype, stream_tokens: int) -> Iterator[_Segment]:
     """The view's keys and values block by block, decoded: sink, body (chunks of whole pages), window, and
     the FP copies of freshly encoded tokens where a query of this chunk saw them unquantized."""
-    fresh = _fresh_masks(query, view, mask)
     sink_n, body_n = view.sink.length, view.body.length
-
-    def cols(c0: int, n: int) -> torch.Tensor | None:
-        return None if mask is None else mask[..., c0 : c0 + n]
-
     if sink_n:
-        yield _Segment(*_fp_region(view, view.sink, work), 0, cols(0, sink_n))
-    fresh_c0 = view.fresh_start - view.start
+        yield _Segment(*_fp_region(view, view.sink, work), 0)
+    f0, f1 = masks.fresh_cols
     for sub, off in _chunks(view.body, view.block_size, stream_tokens):
+        c0 = sink_n + off
         k = _decode(view.key_codec, view.key_pages, sub, work)
         v = _decode(view.value_codec, view.value_pages, sub, work)
-        c0, n = sink_n + off, sub.length
-        m = cols(c0, n)
-        if fresh is not None:
-            lo, hi = max(c0, fresh_c0), min(c0 + n, fresh_c0 + fresh[0].shape[1])
-            if lo < hi:  # stored copies of fresh tokens count only where a query saw them quantized
-                keep = torch.ones((query.shape[2], n), dtype=torch.bool, device=query.device)
-                keep[:, lo - c0 : hi - c0] = fresh[0][:, lo - fresh_c0 : hi - fresh_c0]
-                m = _restrict(m, keep)
-        yield _Segment(k, v, c0, m)
+        overlaps = masks.ends is not None and max(c0, f0) < min(c0 + sub.length, f1)
+        yield _Segment(k, v, c0, "stored" if overlaps else None)
     if view.recent.length:
-        c0 = sink_n + body_n
-        yield _Segment(*_fp_region(view, view.recent, work), c0, cols(c0, view.recent.length))
-    if fresh is not None:
-        yield _Segment(view.fresh_k.to(work), view.fresh_v.to(work), fresh_c0, fresh[1])
+        yield _Segment(*_fp_region(view, view.recent, work), sink_n + body_n)
+    if masks.copies_needed:
+        yield _Segment(view.fresh_k.to(work), view.fresh_v.to(work), f0, "copy")
 
 
 def _chunks(region: Region, block_size: int, tokens: int) -> Iterator[tuple[Region, int]]:
