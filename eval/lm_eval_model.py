@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -38,7 +40,7 @@ from kvquant.scheme import Scheme, parse_scheme
 
 from .lm_eval_cli import DTYPE_ALIASES, check_device, check_model_args
 
-__all__ = ["KVQuantLM", "DEFAULT_CHUNK", "choice_agreement", "cli"]
+__all__ = ["KVQuantLM", "DEFAULT_CHUNK", "choice_agreement", "cli", "scheme_display", "wandb_defaults"]
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +109,26 @@ class KVQuantLM(HFLM):
         finally:
             hflm_logger.removeFilter(quiet)
         self.new_cache()  # fails now, naming both numbers, if the scheme's group does not fit head_dim
+        self._tag_wandb_run()
+
+    def wandb_config(self) -> dict:
+        """What a W&B run of this model says at its top level: `scheme` as experiments/run.py's report names
+        it (a preset by its name), the canonical spec, chunk and backend."""
+        return {
+            "scheme": scheme_display(self.scheme),
+            "scheme_spec": str(self.scheme),
+            "kv_chunk": self.chunk,
+            "kv_backend": self.kv_backend,
+            "task": "lm-eval",
+        }
+
+    def _tag_wandb_run(self) -> None:
+        """lm-eval's WandbLogger starts its run before the model is built: put the scheme at the run config's
+        top level (lm-eval nests model_args in a string under cli_configs), so W&B can group by it."""
+        wandb = sys.modules.get("wandb")  # never import wandb here: only a run lm-eval started matters
+        run = getattr(wandb, "run", None) if wandb is not None else None
+        if run is not None:
+            run.config.update(self.wandb_config(), allow_val_change=True)
 
     # ---- the cache
 
@@ -191,6 +213,37 @@ if __name__ != "__main__":  # `python -m` runs a __main__ copy; the registered c
     register_model("kvquant")(KVQuantLM)
 
 
+def scheme_display(scheme: Scheme) -> str:
+    """A scheme as experiments/run.py's report shows it: a preset by its name (`kivi-2`), else its spec."""
+    return scheme.name or str(scheme)
+
+
+def wandb_defaults(argv: Sequence[str]) -> dict[str, str]:
+    """W&B environment defaults for an lm-eval run with `--wandb_args`: the group `lm-eval <tasks>` (every
+    scheme run on the same tasks lands in one group) and the run named by its scheme; `group=` / `name=` in
+    --wandb_args, or WANDB_RUN_GROUP / WANDB_NAME already set, win. Empty without --wandb_args."""
+    args = list(argv)
+    if "--wandb_args" not in args and not any(a.startswith("--wandb_args=") for a in args):
+        return {}
+
+    def value(flag: str) -> str | None:
+        for i, a in enumerate(args):
+            if a == flag and i + 1 < len(args):
+                return args[i + 1]
+            if a.startswith(flag + "="):
+                return a.split("=", 1)[1]
+        return None
+
+    out = {"WANDB_RUN_GROUP": f"lm-eval {value('--tasks') or 'tasks'}"}
+    model_args = value("--model_args") or ""
+    scheme = next((kv.split("=", 1)[1] for kv in model_args.split(",") if kv.startswith("scheme=")), "fp16")
+    try:
+        out["WANDB_NAME"] = scheme_display(parse_scheme(scheme.replace(";", ",")))
+    except ValueError:
+        pass  # the argument check reports a bad scheme in one line; no name here
+    return out
+
+
 def choice_agreement(samples_a: list[dict], samples_b: list[dict]) -> float:
     """Fraction of multiple-choice docs where two runs pick the same choice.
 
@@ -213,6 +266,8 @@ def cli(argv: Sequence[str] | None = None) -> None:
     see `kvquant.eval.lm_eval_cli`, which checks the arguments before the heavy imports."""
     from .lm_eval_cli import cli as checked_cli
 
+    for var, default in wandb_defaults(sys.argv[1:] if argv is None else argv).items():
+        os.environ.setdefault(var, default)  # read by the wandb.init lm-eval's WandbLogger calls
     checked_cli(argv)
 
 

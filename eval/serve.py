@@ -841,35 +841,11 @@ def plot(run_dir: Path, summary: list[dict]) -> Path:
 
 
 def log_to_wandb(run_dir: Path, mode: str, project: str | None = None, group: str | None = None) -> None:
-    """One W&B run: the summary table, bytes held over time per row, the plot. "disabled" imports nothing."""
-    if mode == "disabled":
-        return
-    import wandb
+    """Log the run to W&B as `kvquant.eval.wandb_logger` logs every run directory: one run per scheme
+    (named as given) and a `compare` run, in the run directory's group. "disabled" imports nothing."""
+    from .wandb_logger import log_run
 
-    rows = list(csv.DictReader((run_dir / "summary.csv").open(encoding="utf-8")))
-    config = json.loads((run_dir / "config.json").read_text())
-    settings = wandb.Settings(
-        silent=True, console="off", x_disable_stats=True, disable_git=True, disable_code=True
-    )
-    with wandb.init(
-        project=project or os.environ.get("WANDB_PROJECT") or "kvquant",
-        group=group or run_dir.name,
-        name="serve",
-        job_type="serve",
-        dir=str(run_dir),
-        mode=mode,
-        config=config,
-        settings=settings,
-    ) as run:
-        run.log(
-            {
-                "summary": wandb.Table(
-                    columns=SUMMARY_COLUMNS, data=[[r[c] for c in SUMMARY_COLUMNS] for r in rows]
-                )
-            }
-        )
-        for p in run_dir.glob("*.png"):
-            run.log({f"plots/{p.stem}": wandb.Image(str(p))})
+    log_run(run_dir, mode, project, group)
 
 
 def capacity_table(

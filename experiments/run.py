@@ -4,9 +4,12 @@
     python experiments/run.py --schemes int8,int4-g64,kivi-2,hf-quanto-int4 --mode both --docs 4
     python experiments/run.py --list-schemes
     python experiments/run.py --task passkey --schemes int8,int4-g64 --lengths 512,1k,2k --depths 0,0.5,1
+    torchrun --nproc-per-node 4 experiments/run.py --schemes int8,int4-g64 --device cuda --out runs/x
+    python experiments/run.py --schemes int8,int4-g64 --out runs/x --shard 0/4   # ... 3/4, then --merge
 
 Results go to a run directory (default runs/<name from the config>): config.json, results.jsonl, summary.csv,
-report.md, drift_vs_length.png, bytes_per_token.png. Rerunning the same command resumes.
+report.md, drift_vs_length.png, bytes_per_token.png. Rerunning the same command resumes. Running at scale
+(torchrun ranks, job arrays): docs/scale.md.
 """
 
 from __future__ import annotations
@@ -29,10 +32,12 @@ from kvquant.eval.config import (
     WANDB_MODES,
     RunConfig,
     RunError,
+    RunIncomplete,
     RunInterrupted,
     check_inputs,
     parse_depths,
     parse_lengths,
+    parse_shard,
     script_parser,
 )
 
@@ -117,6 +122,19 @@ def build_parser() -> argparse.ArgumentParser:
         "|drift difference| (the realization noise of float rounding)",
     )
     p.add_argument("--force", action="store_true", help="replace an existing run directory")
+    sharding = p.add_mutually_exclusive_group()
+    sharding.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="a job-array task: measure shard I (0-based) of N of the run's points into the shared --out "
+        "(no report); under torchrun the ranks shard themselves (docs/scale.md)",
+    )
+    sharding.add_argument(
+        "--merge",
+        action="store_true",
+        help="measure nothing: write summary, report and plots from every shard's results in --out",
+    )
     p.add_argument("--wandb", default="disabled", choices=WANDB_MODES)
     p.add_argument("--wandb-project", default=None)
     p.add_argument("--wandb-group", default=None)
@@ -186,6 +204,8 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         reference_cache=not args.no_reference_cache,
         noise_floor=args.noise_floor,
         task=args.task,
+        shard=parse_shard(args.shard) if args.shard is not None else None,
+        merge=args.merge,
         **grid,
         extra={"wandb_project": args.wandb_project, "wandb_group": args.wandb_group},
     )
@@ -222,18 +242,19 @@ def failed_schemes(run_dir) -> list[str]:
     from kvquant.eval import results as res
 
     out: dict[str, None] = {}
-    path = Path(run_dir) / "results.jsonl"
-    if not path.is_file():
+    paths = [p for p in res.results_files(Path(run_dir)) if p.is_file()]  # results.jsonl and the shards'
+    if not paths:
         return []
     try:
-        rows = res.ResultsFile(path).rows  # the results reader: torn and foreign lines skipped
+        rows = res.RunResults(run_dir).rows  # every results file as one: torn and foreign lines skipped
     except Exception:  # noqa: BLE001 - a retrieval run's rows, or a reader that refuses: read the lines
         rows = []
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                rows.append(json.loads(line))
-            except ValueError:
-                continue
+        for path in paths:
+            for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+                try:
+                    rows.append(json.loads(line))
+                except ValueError:
+                    continue
     for row in rows:
         if isinstance(row, dict) and row.get("status") == "failed":
             out[f"{row.get('scheme')} ({row.get('mode')}): {row.get('error')}"] = None
@@ -267,14 +288,20 @@ def main(config: RunConfig, *, model=None, tokenizer=None) -> int:
     except RunInterrupted as e:
         print(e, file=sys.stderr)
         return EXIT_INTERRUPTED
+    except RunIncomplete as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_FAILED
     saved = json.loads((run_dir / "config.json").read_text())
+    if not summary and not config.is_retrieval:  # a shard (or a torchrun rank other than 0): no report
+        print(f"results: {run_dir}  ({time.perf_counter() - t0:.0f} s; this process's part of the run)")
+        return _report_failures(run_dir)
+    log_to_wandb(run_dir, config)  # perplexity and retrieval runs alike (kvquant.eval.wandb_logger)
     if config.is_retrieval:
         from kvquant.eval.retrieval import summary_table
 
         print(summary_table(summary, saved.get("scheme_names", {})))
         print(f"results: {run_dir}  ({time.perf_counter() - t0:.0f} s)")
         return _report_failures(run_dir)
-    log_to_wandb(run_dir, config)
     print(res.markdown_table(summary, saved.get("scheme_names", {}), saved.get("kv_dtype", "float16")))
     print(f"results: {run_dir}  ({time.perf_counter() - t0:.0f} s)")
     return _report_failures(run_dir)

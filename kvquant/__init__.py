@@ -8,6 +8,9 @@ The "kvquant" attention implementation is registered with transformers the first
 model is used (`kvquant.ATTN_IMPLEMENTATION`, `kvquant.QuantizedCache`, `kvquant.load_model`, ...), so
 `model.set_attn_implementation(kvquant.ATTN_IMPLEMENTATION)` always finds it; `kvquant.register_attention()`
 registers it explicitly (for code that writes the literal "kvquant").
+
+`kvquant.enable(model, "int4-g64")` makes `model.generate()` and pipelines build a `QuantizedCache` without a
+`cache=` argument (`kvquant.hf`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ _LAZY: dict[str, str] = {
     "register_attention": "attention",
     "QuantizedCache": "cache",
     "QuantizedLayer": "cache",
+    "disable": "hf",
+    "enable": "hf",
     "load_model": "models",
     "QTensor": "quantize",
     "dequantize": "quantize",
@@ -52,6 +57,8 @@ __all__ = [  # _LAZY's names and the submodules (a test keeps them equal)
     "Scheme",
     "SchemeError",
     "dequantize",
+    "disable",
+    "enable",
     "fake_quantize",
     "list_schemes",
     "load_model",
@@ -109,6 +116,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time these come from __g
     from . import memory
     from .attention import ATTN_IMPLEMENTATION, register_attention
     from .cache import QuantizedCache, QuantizedLayer
+    from .hf import disable, enable
     from .models import load_model
     from .quantize import QTensor, dequantize, fake_quantize, quantize
     from .scheme import (

@@ -213,6 +213,6 @@ def test_serve_results_log_to_wandb_offline(tmp_path, monkeypatch):
     (run_dir / "config.json").write_text(json.dumps({"schemes": ["int4-g64"]}))
     serve.log_to_wandb(run_dir, "offline", project="kvquant-test")
     runs = list((run_dir / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
+    assert len(runs) == 2 and all(list(r.glob("*.wandb")) for r in runs)  # one per scheme, one comparison
     serve.log_to_wandb(run_dir, "disabled")  # writes nothing more
-    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 1
+    assert len(list((run_dir / "wandb").glob("offline-run-*"))) == 2
