@@ -447,16 +447,17 @@ def _families() -> dict[str, type[Codec]]:
     """Every codec family by name: this module's, and the research codecs in their own modules (they import
     this one, so they are imported here, on first use, and either module may be imported first)."""
     from .codec_engine import EngineCodec
+    from .codec_engine_vllm import VLLMCodec
     from .codec_fp8 import FP8Codec
     from .codec_transforms import CenterCodec, OutlierCodec, RotationCodec
 
     return {**_FAMILIES, "fp8": FP8Codec, "center": CenterCodec, "rotate": RotationCodec,
-            "outliers": OutlierCodec, "engine": EngineCodec}
+            "outliers": OutlierCodec, "engine": EngineCodec, "vllm": VLLMCodec}
 
 
 def _family(spec: QuantSpec) -> str:
-    if spec.engine is not None:  # llama.cpp:q4_0, mxfp4, nvfp4 (kvquant.codec_engine)
-        return "engine"
+    if spec.engine is not None:  # llama.cpp:q4_0, mxfp4, nvfp4 (codec_engine); vllm:* (codec_engine_vllm)
+        return "vllm" if spec.engine.startswith("vllm:") else "engine"
     if spec.transforms:  # -center, -rot, -out wrap the codec of the spec without them, outermost first
         return spec.transforms[0]
     if spec.fp8 is not None:

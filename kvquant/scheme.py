@@ -45,7 +45,9 @@ then the research transforms (`kvquant.codec_transforms`), after all of the abov
 Engine formats, stored bit for bit as the engine lays them out (`kvquant.codec_engine`), take no options
 (only -prerope): `llama.cpp:q8_0`, `llama.cpp:q4_0`, `llama.cpp:q4_1`, `llama.cpp:q5_0`, `llama.cpp:q5_1`,
 `llama.cpp:iq4_nl` (llama.cpp's -ctk / -ctv cache types; `llama.cpp:k=q8_0,v=q4_0` for -ctk q8_0 -ctv q4_0),
-`mxfp4`, `nvfp4` (ggml's FP4 blocks).
+`mxfp4`, `nvfp4` (ggml's FP4 blocks); vLLM's `--kv-cache-dtype` values (`kvquant.codec_engine_vllm`):
+`vllm:fp8` (= `vllm:fp8_e4m3`), `vllm:fp8_e5m2` (per-tensor scale 1.0, saturating),
+`vllm:int8_per_token_head`, `vllm:fp8_per_token_head` (one fp32 scale per token and head).
 """
 
 from __future__ import annotations
@@ -108,6 +110,24 @@ ENGINE_FORMATS: dict[str, tuple[int, int]] = {
     "llama.cpp:iq4_nl": (4, 32),
     "mxfp4": (4, 32),
     "nvfp4": (4, 64),
+    # vLLM's --kv-cache-dtype values (`kvquant.codec_engine_vllm`): one scale per tensor or per (token, head)
+    "vllm:fp8_e4m3": (8, 1),
+    "vllm:fp8_e5m2": (8, 1),
+    "vllm:int8_per_token_head": (8, 1),
+    "vllm:fp8_per_token_head": (8, 1),
+}
+ENGINE_ALIASES: dict[str, str] = {"vllm:fp8": "vllm:fp8_e4m3"}  # vLLM's `fp8` is E4M3 on CUDA
+# engine names kvquant knows but does not reproduce, with the reason (refused at parse time, listed as skipped
+# by experiments/recommend.py)
+ENGINE_REFUSED: dict[str, str] = {
+    "vllm:int4_per_token_head": "its codebook levels and key rotation changed between vLLM versions and are "
+    "not readable offline, so kvquant cannot reproduce them bit for bit",
+    **{
+        f"vllm:{p}": "TurboQuant (rotation, codebook and stored norm) is not reproduced in kvquant yet"
+        for p in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
+    },
+    "vllm:nvfp4": "vLLM's NVFP4 follows FlashInfer's arithmetic, not reproduced here; kvquant's `nvfp4` is "
+    "ggml's block of the same 4.5 bits (per-tensor scale 1.0)",
 }
 # Bounds that no real configuration reaches, so a typo (an extra digit, a pasted number) is refused at parse
 # time instead of reserving gigabytes or overflowing a random generator later:
@@ -571,6 +591,11 @@ EXAMPLES: dict[str, str] = {
     "llama.cpp:k=q8_0,v=q4_0": "llama.cpp -ctk q8_0 -ctv q4_0 (prints as k=llama.cpp:q8_0,v=llama.cpp:q4_0)",
     "mxfp4": "OCP MXFP4 (ggml's block): 32 FP4 E2M1 values + one E8M0 scale (4.25 bits)",
     "nvfp4": "NVFP4 (ggml's block): 16 FP4 E2M1 values + one UE4M3 scale, per-tensor scale 1.0 (4.5 bits)",
+    "vllm:fp8": "vLLM --kv-cache-dtype fp8 (= vllm:fp8_e4m3): E4M3, per-tensor scale 1.0, saturating",
+    "vllm:fp8_e5m2": "vLLM fp8_e5m2: E5M2, per-tensor scale 1.0, saturating at 57344 (8 bits)",
+    "vllm:int8_per_token_head": "vLLM int8_per_token_head: int8 (truncated) + fp32 scale per token and head",
+    "vllm:fp8_per_token_head": "vLLM fp8_per_token_head: E4M3 + one fp32 scale per token and head",
+    "layers=0:fp16+1-28:vllm:fp8+29:fp16": "vLLM fp8 with --kv-cache-dtype-skip-layers 0,29 (30 layers)",
 }
 
 
@@ -618,6 +643,14 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
         return dataclasses.replace(parse_spec(text[: -len(_PREROPE)]), prerope=True)
     if _PREROPE in text:
         raise _spec_error(text, "-prerope comes last, once")
+    if text.startswith("vllm:"):
+        text = ENGINE_ALIASES.get(text, text)
+        if text in ENGINE_REFUSED:
+            raise _spec_error(text, f"{text} is not available: {ENGINE_REFUSED[text]}")
+        if text not in ENGINE_FORMATS:
+            known = ", ".join([*ENGINE_ALIASES, *(n for n in ENGINE_FORMATS if n.startswith("vllm:"))])
+            why = f"unknown vLLM cache dtype {text.partition(':')[2]!r}; kvquant has {known}"
+            raise _spec_error(text, why)
     if text in ENGINE_FORMATS or text.startswith("llama.cpp:"):
         if text not in ENGINE_FORMATS:
             types = ", ".join(n.partition(":")[2] for n in ENGINE_FORMATS if n.startswith("llama.cpp:"))

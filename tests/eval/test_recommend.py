@@ -1,0 +1,111 @@
+"""experiments/recommend.py end to end on a tiny model; the engine rules, checked before any model loads."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from kvquant.eval.config import ModelFacts, RunConfig, RunError, check_fits, model_facts, resolve_schemes
+from kvquant.eval.recommend import candidates_for, recommend, report_text
+
+
+@pytest.fixture(scope="module")
+def tiny4_dir(tmp_path_factory, tokenizer):
+    """A 4-layer tiny Llama (head_dim 64, 2 KV heads) saved with the real tokenizer: boundary layers 0 and 3
+    can be skipped, leaving quantized layers between."""
+    from tiny_models import make_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny4")
+    make_tiny_model(num_hidden_layers=4).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_model_facts_give_the_kv_shape(tiny4_dir):
+    facts = model_facts(str(tiny4_dir))
+    assert (facts.layers, facts.head_dim, facts.kv_heads) == (4, 64, 2)
+    assert facts.sliding_window is None
+    default = model_facts(None)  # the embedded GGUF's header, nothing loaded
+    assert (default.layers, default.head_dim, default.kv_heads, default.positions) == (30, 64, 3, 8192)
+
+
+def test_engine_block_rule_refused_before_loading():
+    """head_dim 80 is no multiple of ggml's 32-value blocks: the run refuses it from the config alone."""
+    config = RunConfig(schemes=("llama.cpp:q4_0",), max_length=1024)
+    facts = ModelFacts(positions=4096, layers=4, source="from config.json", head_dim=80, kv_heads=2)
+    with pytest.raises(RunError, match=r"llama.cpp:q4_0 stores blocks of 32 .*k % 32 == 0.*head_dim 80"):
+        check_fits(config, resolve_schemes(config.schemes), facts)
+
+
+def test_candidates_skip_what_the_model_cannot_take():
+    facts = ModelFacts(positions=4096, layers=4, source="from config.json", head_dim=80, kv_heads=2)
+    plan = candidates_for("llama.cpp", None, facts)
+    labels = {c.label for c in plan.candidates}
+    assert not labels & {"q8_0", "q4_0", "q8_0 / q4_0"}  # all refused: 80 % 32 != 0
+    reasons = {s.label: s.reason for s in plan.skipped}
+    assert "k % 32 == 0" in reasons["q4_0"] and "head_dim 80" in reasons["q4_0"]
+    vllm = candidates_for("vllm", None, facts)  # per-token-head formats take any head_dim
+    assert {"fp8", "int8_per_token_head", "fp8 skip 0,3"} <= {c.label for c in vllm.candidates}
+    assert "int4_per_token_head" in {s.label for s in vllm.skipped}
+
+
+def test_sliding_model_gets_the_sliding_skip_variant():
+    facts = ModelFacts(positions=4096, layers=4, head_dim=64, kv_heads=1, sliding_window=16,
+                       sliding_layers=(0, 1, 2))
+    plan = candidates_for("vllm", None, facts)
+    sliding = [c for c in plan.candidates if c.label == "fp8 skip sliding_window"]
+    assert sliding and sliding[0].scheme == "layers=0:fp16+1:fp16+2:fp16+3:vllm:fp8"
+    assert sliding[0].deploy.endswith("--kv-cache-dtype-skip-layers sliding_window")
+
+
+def test_recommend_vllm_end_to_end_and_resume(tiny4_dir, tiny_corpus, tmp_path):
+    out = tmp_path / "rec"
+    kw = dict(corpus=str(tiny_corpus), max_length=128, docs=1, chunk=32, out=str(out))
+    rec = recommend("vllm", str(tiny4_dir), **kw)
+    labels = [r["candidate"].label for r in rec.rows]
+    assert set(labels) == {"fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head", "fp8 skip 0,3",
+                           "kvquant k=int8-channel-g64,v=int8-head"}
+    for r in rec.rows:  # both modes measured for every candidate
+        assert r["prefill"]["status"] == "ok" and r["cache"]["status"] == "ok", r["label"]
+        assert r["prefill_buckets"] and r["bytes"] > 0
+    text = report_text(rec)
+    for label in labels:
+        assert label in text
+    assert rec.pick is not None and rec.pick.kind != "kvquant"
+    assert f"vllm serve {tiny4_dir} --kv-cache-dtype {rec.pick.label.split()[0]}" in text
+    assert "int4_per_token_head" in text  # listed as not measured, with the reason
+    saved = json.loads((out / "recommendation.json").read_text())
+    assert saved["pick"]["deploy"] == rec.pick.deploy
+    for mode in ("prefill", "cache"):
+        assert (out / mode / "report.md").is_file() and (out / mode / "summary.csv").is_file()
+    rows_before = {m: (out / m / "results.jsonl").read_text() for m in ("prefill", "cache")}
+    again = recommend("vllm", str(tiny4_dir), **kw)  # resumes: nothing measured twice
+    assert {m: (out / m / "results.jsonl").read_text() for m in ("prefill", "cache")} == rows_before
+    assert again.pick == rec.pick and [r["label"] for r in again.rows] == [r["label"] for r in rec.rows]
+
+
+def test_cli_llama_cpp_prints_table_and_command(tiny4_dir, tiny_corpus, tmp_path, capsys):
+    import recommend as cli
+
+    code = cli.main(["--engine", "llama.cpp", "--model", str(tiny4_dir), "--corpus", str(tiny_corpus),
+                     "--max-length", "64", "--docs", "1", "--chunk", "32", "--out", str(tmp_path / "r")])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert out.count("\n| ") >= 10  # header, rule and the rows
+    for label in ("q8_0", "q4_0", "iq4_nl", "q8_0 / q4_0", "kvquant int4-g64-rot"):
+        assert f"| {label} |" in out
+    assert "llama-server -m " in out and " -fa on" in out
+    assert "LLAMA_ATTN_ROT" in out  # the rotation is said to be missing, not silently left out
+
+
+def test_cli_refuses_unknown_gpu(capsys):
+    import recommend as cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--engine", "vllm", "--gpu", "tpu"])
+    assert e.value.code == 2 and "tpu" in capsys.readouterr().err
+
+
+def test_recommend_rejects_bad_tolerance():
+    with pytest.raises(RunError, match="tolerance"):
+        recommend("vllm", None, tolerance=0.0)
