@@ -201,3 +201,19 @@ def load_corpus(name_or_path: str | Path = "wikipedia") -> list[Document]:
     if not docs:
         raise CorpusError(f"corpus {key!r} holds no text")
     return docs
+
+
+def probe_text_ids(tokenizer, corpus: str | Path, tokens: int, seed: int = 0):
+    """((1, tokens) ids, title) of the first document, from the end of the evaluation's seeded order, that is
+    long enough (the evaluation takes documents from the front of the same order): the text probe that
+    `experiments/diagnose.py` and run.py's key-offset warning share, so both recommend the same scheme."""
+    import random
+
+    docs = load_corpus(corpus)
+    order = list(range(len(docs)))
+    random.Random(seed).shuffle(order)
+    for i in reversed(order):
+        ids = tokenizer(docs[i].text, return_tensors="pt").input_ids
+        if ids.shape[1] >= tokens:
+            return ids[:, :tokens], docs[i].title
+    raise ValueError(f"no document of {corpus!r} has {tokens} tokens; use a shorter probe")

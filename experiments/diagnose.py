@@ -26,6 +26,7 @@ from kvquant.scheme import SchemeError, parse_spec
 
 K_CANDIDATES = "int4-g64,int4-g64-center,int4-g64-rot,int4-g64-center-rot,int4-channel-g64,int4-g64-out1"
 V_CANDIDATES = "int4-g64,int4-g64-center,int4-g64-rot,int4-g64-out1"
+PROBE_TOKENS = 512  # kvquant.diagnose.PROBE_TOKENS (run.py's warning probes the same text; tested equal)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,7 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--corpus", default="wikipedia", help="wikipedia | shakespeare | a .txt/.jsonl file or folder"
     )
-    p.add_argument("--tokens", type=int, default=512, help="probe tokens (>= 64; default 512)")
+    p.add_argument(
+        "--tokens", type=int, default=PROBE_TOKENS, help=f"probe tokens (>= 64; default {PROBE_TOKENS})"
+    )
     p.add_argument("--random", action="store_true", help="probe with random token ids instead of text")
     p.add_argument("--k-candidates", default=K_CANDIDATES, help="comma-separated key specs to score")
     p.add_argument("--v-candidates", default=V_CANDIDATES, help="comma-separated value specs to score")
@@ -82,23 +85,6 @@ def check_args(args: argparse.Namespace) -> tuple[tuple[str, ...], tuple[str, ..
     return cands[0], cands[1]
 
 
-def calibration_ids(tokenizer, corpus: str, tokens: int, seed: int = 0):
-    """(1, tokens) ids of the first document, from the end of the evaluation's seeded order, that is long
-    enough (the evaluation takes documents from the front of the same order)."""
-    import random
-
-    from kvquant.eval.data import load_corpus
-
-    docs = load_corpus(corpus)
-    order = list(range(len(docs)))
-    random.Random(seed).shuffle(order)
-    for i in reversed(order):
-        ids = tokenizer(docs[i].text, return_tensors="pt").input_ids
-        if ids.shape[1] >= tokens:
-            return ids[:, :tokens], docs[i].title
-    raise RunError(f"no document of {corpus!r} has {tokens} tokens; lower --tokens")
-
-
 def main(args: argparse.Namespace, k_cands, v_cands, *, model=None, tokenizer=None) -> int:
     import torch
 
@@ -112,7 +98,12 @@ def main(args: argparse.Namespace, k_cands, v_cands, *, model=None, tokenizer=No
     if args.random or tokenizer is None:
         ids, source = probe_ids(model.config, args.tokens), "random token ids"
     else:
-        ids, title = calibration_ids(tokenizer, args.corpus, args.tokens)
+        from kvquant.eval.data import probe_text_ids
+
+        try:
+            ids, title = probe_text_ids(tokenizer, args.corpus, args.tokens)
+        except ValueError as e:
+            raise RunError(f"{e} (lower --tokens)") from None
         source = f"{args.corpus}: {title!r}"
     diag = diagnose(model, ids, k_cands, v_cands)
     print(f"model: {args.model or 'default (SmolLM2-135M)'}; probe: {args.tokens} tokens of {source}\n")

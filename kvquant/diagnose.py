@@ -48,6 +48,7 @@ __all__ = [
     "format_report",
     "keys_at_risk",
     "offset_warning",
+    "predicted_collapse",
     "probe_ids",
     "tensor_stats",
 ]
@@ -71,6 +72,13 @@ OUTLIER_FACTOR = 4.0
 # of key SQNR): a diagnosis prints that, the run-time warning is kept for the collapsing regime.
 OFFSET_RATIO_WARN = 30.0
 OFFSET_RATIO_NOTE = 5.0
+# A key spec is predicted to collapse when the worst layer's signal SQNR (of the token-to-token variation,
+# `TensorStats.signal_sqnr`) falls below this: the noise then carries a quarter of what attention can tell
+# apart. Measured on 256 probe tokens: a Qwen2 with biased keys (offset 62x) gives int4-g64 -3.7 dB, int4-g32
+# 4.5, int8 17.4 (int8 loses KL there but does not collapse); SmolLM2 on Wikipedia (offset 14): int4-g64
+# 11.9, int8 31.9; an unbiased tiny Llama: int4-g64 20.6.
+COLLAPSE_DB = 6.0
+PROBE_TOKENS = 512  # text tokens of the probe `experiments/diagnose.py` and run.py's warning both use
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,9 @@ class TensorStats:
     outlier_channels: tuple[tuple[int, int], ...]  # (head, channel), largest RMS first
     kurtosis: float
     sqnr: dict[str, float] = field(default_factory=dict)  # candidate spec -> dB
+    # candidate spec -> dB of the token-to-token variation: |x - mu_hc|^2 / |x - x_hat|^2, what attention
+    # sees (a per-channel constant adds q . mu to every score of a query, which the softmax ignores)
+    signal_sqnr: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,21 +141,26 @@ def tensor_stats(x: torch.Tensor, candidates: tuple[str, ...] = ()) -> TensorSta
     pairs = sorted(((float(rms[i, c]), i, c) for i, c in outl.nonzero().tolist()), reverse=True)
     centred = x - x.mean()
     kurt = float(centred.pow(4).mean() / centred.pow(2).mean().pow(2).clamp_min(1e-300))
-    sqnr = {}
+    sqnr, signal = {}, {}
     n = t // 64 * 64
     if n:
         xs = x[:, :, :n].float()
+        varying = (xs.double() - xs.double().mean(dim=2, keepdim=True)).pow(2).sum()  # per (B, head, channel)
         for spec in candidates:
             try:
-                sqnr[spec] = sqnr_db(xs, fake_quantize(xs, spec))
+                xq = fake_quantize(xs, spec)
             except SchemeError:  # a group size that does not divide this head_dim: not a candidate here
                 continue
+            sqnr[spec] = sqnr_db(xs, xq)
+            noise = (xs.double() - xq.double()).pow(2).sum().clamp_min(1e-300)
+            signal[spec] = float(10 * torch.log10(varying / noise))
     return TensorStats(
         offset_ratio=float(ratio.max()),
         offset_where=(flat // d, flat % d),
         outlier_channels=tuple((i, c) for _, i, c in pairs),
         kurtosis=kurt,
         sqnr=sqnr,
+        signal_sqnr=signal,
     )
 
 
@@ -182,15 +198,20 @@ def diagnose(
     input_ids: torch.Tensor | None = None,
     k_candidates: tuple[str, ...] = K_CANDIDATES,
     v_candidates: tuple[str, ...] = V_CANDIDATES,
+    *,
+    extra_key_specs: tuple[str, ...] = (),
+    kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Diagnosis:
     """Statistics of every layer's K and V over one forward of input_ids (default: `probe_ids`), with the
-    best candidate for K and for V."""
+    best candidate for K and for V. extra_key_specs are scored too (SQNR, signal SQNR) without taking part in
+    the recommendation (the specs a scheme uses, for `predicted_collapse`); kv: K/V already captured over
+    input_ids (`capture_kv`), to score more specs without another forward."""
     if input_ids is None:
         input_ids = probe_ids(model.config)
-    kv = capture_kv(model, input_ids)
+    kv = capture_kv(model, input_ids) if kv is None else kv
+    keys = tuple(dict.fromkeys((*k_candidates, *extra_key_specs)))
     layers = tuple(
-        LayerStats(i, tensor_stats(k, k_candidates), tensor_stats(v, v_candidates))
-        for i, (k, v) in enumerate(kv)
+        LayerStats(i, tensor_stats(k, keys), tensor_stats(v, v_candidates)) for i, (k, v) in enumerate(kv)
     )
     best_k = _best([s.key for s in layers], k_candidates)
     best_v = _best([s.value for s in layers], v_candidates)
@@ -232,9 +253,12 @@ def format_report(diag: Diagnosis) -> str:
     lines += _table(diag, "value")
     lines += [""]
     if ratio >= OFFSET_RATIO_WARN:
+        scored = list(diag.layers[0].key.signal_sqnr)
+        down = ", ".join(f"{s} ({db:+.1f} dB)" for s, db in predicted_collapse(diag, scored)) or "none"
         lines.append(
             f"Keys carry per-channel offsets up to {ratio:.0f}x their spread (layer {layer}): per-token and "
-            "per-group key specs collapse; use channel-wise keys or -center."
+            "per-group key specs lose the variation attention sees; use channel-wise keys or -center. "
+            f"Predicted to collapse (worst-layer signal SQNR below {COLLAPSE_DB:g} dB): {down}."
         )
     elif ratio >= OFFSET_RATIO_NOTE:
         lines.append(
@@ -263,43 +287,67 @@ def keys_at_risk(scheme: Scheme | str) -> list[QuantSpec]:
     ]
 
 
-class OffsetWarner:
-    """Warns (logging.WARNING, logger "kvquant.diagnose") once per model and scheme when a scheme quantizes
-    keys per token while this model's keys carry large per-channel offsets. The memo lives on the object:
-    one warner per run, no module state.
+def predicted_collapse(diag: Diagnosis, specs) -> list[tuple[str, float]]:
+    """(spec, worst layer's signal SQNR in dB) of the key specs the analysis predicts will collapse: keys
+    with per-channel offsets of at least OFFSET_RATIO_WARN x their spread, and the spec's signal SQNR below
+    COLLAPSE_DB in some layer. Specs must have been scored (`diagnose(..., extra_key_specs=...)`)."""
+    ratio, _ = diag.max_key_offset_ratio
+    if ratio < OFFSET_RATIO_WARN:
+        return []
+    out = []
+    for spec in specs:
+        name = str(parse_spec(spec))
+        worst = min((s.key.signal_sqnr[name] for s in diag.layers if name in s.key.signal_sqnr), default=None)
+        if worst is not None and worst < COLLAPSE_DB:
+            out.append((name, worst))
+    return out
 
-        warner = OffsetWarner()
+
+class OffsetWarner:
+    """Warns (logging.WARNING, logger "kvquant.diagnose") once per model and scheme when the scheme's key
+    specs are predicted to collapse on this model's per-channel key offsets (`predicted_collapse`), with the
+    scheme `experiments/diagnose.py` recommends for the same probe. The memo lives on the object: one warner
+    per run, no module state.
+
+        warner = OffsetWarner(probe=lambda: text_ids)   # the probe diagnose.py uses (PROBE_TOKENS of text)
         warner(model, "int4-g64")   # the message (logged the first time), or None
+
+    Without a probe it falls back to `probe_ids` (random ids: enough to show a key bias, but its SQNR and its
+    recommendation can differ from a text probe's).
     """
 
-    def __init__(self) -> None:
-        self._probed: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its Diagnosis
+    def __init__(self, probe=None) -> None:
+        self._probe = probe  # () -> (1, T) ids, called at most once, only when a scheme is at risk
+        self._kv: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> (ids, captured K/V)
         self._warned: set[tuple[int, str]] = set()
 
     def __call__(self, model, scheme: Scheme | str, input_ids: torch.Tensor | None = None) -> str | None:
-        """The warning with a recommended scheme, or None when the scheme is safe or the keys are not
-        offset-heavy. Costs nothing for a safe scheme; otherwise one forward over input_ids (default: 256
-        `probe_ids`, probed once per model) and the SQNR of the candidates."""
-        at_risk = keys_at_risk(scheme)
+        """The warning with a recommended scheme, or None when no key spec of the scheme is predicted to
+        collapse. Costs nothing for a scheme whose keys cannot (channel-wise, -center, fp8); otherwise one
+        forward over the probe per model, and the SQNR of the candidates and the scheme's key specs."""
+        at_risk = [str(s) for s in keys_at_risk(scheme)]
         if not at_risk:
             return None
         if input_ids is None:
-            diag = self._probed.get(model)
-            if diag is None:
-                diag = self._probed[model] = diagnose(model)
+            if model not in self._kv:
+                ids = self._probe() if self._probe is not None else probe_ids(model.config)
+                self._kv[model] = (ids, capture_kv(model, ids))
+            ids, kv = self._kv[model]
         else:
-            diag = diagnose(model, input_ids)
-        ratio, layer = diag.max_key_offset_ratio
-        if ratio < OFFSET_RATIO_WARN:
+            ids, kv = input_ids, capture_kv(model, input_ids)
+        diag = diagnose(model, ids, extra_key_specs=tuple(at_risk), kv=kv)
+        collapsing = predicted_collapse(diag, at_risk)
+        if not collapsing:
             return None
+        ratio, layer = diag.max_key_offset_ratio
         name = getattr(model.config, "_name_or_path", "") or ""
-        specs = ", ".join(str(s) for s in at_risk)
+        specs = ", ".join(f"{s} ({db:+.1f} dB)" for s, db in collapsing)
         msg = (
             f"this model's keys carry per-channel offsets up to {ratio:.0f}x their token-to-token spread "
-            f"(layer {layer}), and scheme {parse_scheme(scheme)} quantizes keys per token/group ({specs}): "
-            f"expect a collapse. Recommended: {diag.recommended} "
-            "(or channel-wise keys, e.g. k=int4-channel-g64); "
-            f"details: python experiments/diagnose.py --model {name or 'MODEL'}"
+            f"(layer {layer}), and scheme {parse_scheme(scheme)} quantizes keys so that the variation "
+            f"attention sees drowns in noise (worst-layer signal SQNR: {specs}; below {COLLAPSE_DB:g} dB): "
+            f"expect a collapse. Recommended: {diag.recommended} (or channel-wise keys, e.g. "
+            f"k=int4-channel-g64); details: python experiments/diagnose.py --model {name or 'MODEL'}"
         )
         key = (id(model), str(parse_scheme(scheme)))
         if key not in self._warned:

@@ -530,6 +530,34 @@ def test_offset_warning_once(qwen2, tiny_model, caplog):
     assert offset_warning(tiny_model, "int4-g64") is None  # the tiny Llama has no key bias
 
 
+def test_offset_warning_fires_only_for_specs_predicted_to_collapse(qwen2):
+    """int8 keeps the variation attention sees on the biased Qwen2 (signal SQNR ~17 dB): no warning, although
+    it quantizes keys per token; int4-g64 (~-4 dB) collapses and is named with its SQNR."""
+    from kvquant.diagnose import COLLAPSE_DB, OffsetWarner, diagnose, predicted_collapse
+
+    warner = OffsetWarner()
+    assert warner(qwen2, "int8") is None
+    msg = warner(qwen2, "k=int4-g64,v=int8")
+    assert msg is not None and "int4-g64 (" in msg and "dB" in msg
+    d = diagnose(qwen2, extra_key_specs=("int8", "int4-g64"))
+    down = dict(predicted_collapse(d, ["int8", "int4-g64", "int4-channel-g64"]))
+    assert set(down) == {"int4-g64"} and down["int4-g64"] < COLLAPSE_DB
+    assert min(s.key.signal_sqnr["int8"] for s in d.layers) > COLLAPSE_DB + 5
+
+
+def test_run_warning_and_diagnose_recommend_the_same_scheme_on_the_same_text(qwen2):
+    """One analysis: the warning's probe is the text diagnose.py reads, so the recommendation is the same."""
+    from kvquant.diagnose import PROBE_TOKENS, OffsetWarner, diagnose
+
+    sys.path.insert(0, str(ROOT / "experiments"))
+    import diagnose as diagnose_cli
+
+    assert diagnose_cli.PROBE_TOKENS == PROBE_TOKENS
+    ids = torch.randint(0, 512, (1, 256), generator=torch.Generator().manual_seed(3))  # stands for the text
+    msg = OffsetWarner(probe=lambda: ids)(qwen2, "int4-g64")
+    assert f"Recommended: {diagnose(qwen2, ids).recommended} " in msg
+
+
 def test_diagnose_cli_fails_fast_on_bad_arguments():
     script = str(ROOT / "experiments" / "diagnose.py")
     for args, why in (
