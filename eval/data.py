@@ -145,8 +145,12 @@ def local_documents(path: str | Path) -> list[Document]:
         raise CorpusError(f"corpus path {str(path)!r} does not exist (known names: {', '.join(CORPORA)})")
     docs: list[Document] = []
     for file in _local_files(path):
+        _check_local_file(file)
         if file.suffix in JSON_SUFFIXES:
-            ds = load_dataset("json", data_files=str(file), split="train")
+            try:
+                ds = load_dataset("json", data_files=str(file), split="train")
+            except Exception as e:  # datasets raises several types for a broken row further down
+                raise CorpusError(f"corpus file {str(file)!r} cannot be read as JSON lines: {e}") from None
             if "text" not in ds.column_names:
                 raise CorpusError(f"{file}: JSON rows need a 'text' field (found {ds.column_names})")
             title_col = "title" if "title" in ds.column_names else None
@@ -181,7 +185,46 @@ def check_corpus(name_or_path: str | Path) -> None:
             f"corpus file {key!r} is neither text ({', '.join(TEXT_SUFFIXES)}) nor JSON lines "
             f"({', '.join(JSON_SUFFIXES)})"
         )
-    _local_files(path)
+    for file in _local_files(path):
+        _check_local_file(file)
+
+
+_PROBE_BYTES = 1 << 16
+
+
+def _check_local_file(file: Path) -> None:
+    """Refuse, from its first 64 KiB, a corpus file that is binary, not UTF-8 (latin-1, say), or JSON lines
+    whose first row is not an object with a "text" string: the error names the file, the byte and the fix."""
+    import codecs
+    import json
+
+    with file.open("rb") as f:
+        head = f.read(_PROBE_BYTES)
+    nul = head.find(b"\x00")
+    if nul >= 0:
+        raise CorpusError(
+            f"corpus file {str(file)!r} is binary (a NUL byte at offset {nul}); give UTF-8 text or JSON lines"
+        )
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < _PROBE_BYTES)
+    except UnicodeDecodeError as e:
+        raise CorpusError(
+            f"corpus file {str(file)!r} is not UTF-8 (byte 0x{head[e.start]:02x} at offset {e.start}); "
+            "convert it, e.g. `iconv -f latin1 -t utf-8 IN > OUT`"
+        ) from None
+    if file.suffix in JSON_SUFFIXES:
+        line = next((ln for ln in head.decode("utf-8", "ignore").splitlines() if ln.strip()), None)
+        if line is None:
+            raise CorpusError(f"corpus file {str(file)!r} is empty")
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise CorpusError(f"corpus file {str(file)!r}: its first row is not JSON ({e.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise CorpusError(
+                f'corpus file {str(file)!r}: each JSON line must be an object with a "text" string, '
+                f"the first is {type(row).__name__} {str(row)[:60]!r}"
+            )
 
 
 def load_corpus(name_or_path: str | Path = "wikipedia") -> list[Document]:

@@ -564,3 +564,35 @@ def test_a_scheme_that_fails_during_the_run_makes_run_py_exit_non_zero(tmp_path,
     assert run.failed_schemes(tmp_path / "run") == [
         "int4-g32 (cache): RuntimeError: codebook table missing (simulated)"
     ]
+
+
+# ---- corpus files that cannot be read: refused with the file and the fix, at check time (no datasets)
+
+BAD_CORPORA = [
+    ("c.txt", b"\x7fELF\x02\x01\x01\x00\x00\x00binary", "is binary"),
+    ("c.txt", "caf\u00e9 au lait, na\u00efve\n".encode("latin-1"), "is not UTF-8"),
+    ("c.jsonl", b'{"text": "ok"', "first row is not JSON"),
+    ("c.jsonl", b"[1, 2, 3]\n", 'object with a "text" string'),
+    ("c.jsonl", b'{"title": "no text"}\n', 'object with a "text" string'),
+    ("c.jsonl", b"\n\n", "is empty"),
+]
+
+
+@pytest.mark.parametrize("name, data, why", BAD_CORPORA, ids=[w for _, _, w in BAD_CORPORA])
+def test_a_corpus_file_that_cannot_be_read_is_refused_before_work(tmp_path, name, data, why):
+    from kvquant.eval.data import CorpusError, check_corpus
+
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(CorpusError, match=why) as e:
+        check_corpus(str(path))
+    assert str(path) in str(e.value)
+
+
+def test_a_utf8_corpus_file_passes_the_check(tmp_path):
+    from kvquant.eval.data import check_corpus, load_corpus
+
+    (tmp_path / "a.txt").write_text("caf\u00e9 au lait\n" * 3, encoding="utf-8")
+    (tmp_path / "b.jsonl").write_text('{"text": "one"}\n{"text": "two"}\n', encoding="utf-8")
+    check_corpus(str(tmp_path))
+    assert len(load_corpus(str(tmp_path))) == 3
