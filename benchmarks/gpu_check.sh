@@ -88,7 +88,9 @@ report_phase() {
     else
         # the D=128 fp16 variants (the full table is compiled on the CPU: kernel_report_after.csv), so that the
         # whole check stays within 8 minutes
-        "$PY" benchmarks/kernel_report.py --quick --measure --csv "$OUTDIR/kernel_report.csv"
+        # --subset gpu: those plus int8 / int4-g64 / FP8 in bf16; each row also carries the first-use
+        # self-check's verdict on this GPU and the probe's cost (self_check, probe_ms)
+        "$PY" benchmarks/kernel_report.py --subset gpu --measure --csv "$OUTDIR/kernel_report.csv"
     fi
 }
 
@@ -122,6 +124,14 @@ from tiny_models import make_tiny_model
 model = make_tiny_model().to(device)
 ids = torch.randint(1, 1000, (2, 24), device=device)
 toks, counts, calls = {}, {}, {}
+# FP8 read in place (its appends take the codec's encoder): the same tokens as the torch backend
+fp8 = {}
+for backend in ("triton", "torch"):
+    cache = kvquant.QuantizedCache("fp8-e4m3,sink=4,window=16", model.config, backend=backend)
+    fp8[backend] = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False)
+fp8_same = torch.equal(fp8["triton"], fp8["torch"])
+print("fp8-e4m3: triton == torch tokens:", fp8_same)
+from kvquant.kernels.registry import process_self_check
 for backend in ("triton", "torch"):
     cache = kvquant.QuantizedCache("int4-g64,sink=4,window=16", model.config, backend=backend)
     # passthrough: every kernel launch runs as usual and its JIT cache key is recorded, so the distinct
@@ -136,13 +146,17 @@ print("triton == torch tokens:", same)
 print("recompiles: variants compiled by the triton run, per kernel:", counts["triton"],
       "over", calls["triton"], "launches")
 print("torch run launched Triton kernels:", calls["torch"] or "none")
-out = {"same_tokens": same, "variants": counts["triton"], "launches": calls["triton"],
+checked = process_self_check()
+print("first-use self-check:", len(checked.verdicts), "variants probed,", len(checked.disabled()), "disabled",
+      checked.disabled() or "", f"probe time {sum(checked.seconds.values()) * 1e3:.1f} ms in all")
+out = {"same_tokens": same, "fp8_same_tokens": fp8_same, "self_check_disabled": len(checked.disabled()),
+       "probe_ms": sum(checked.seconds.values()) * 1e3, "variants": counts["triton"], "launches": calls["triton"],
        "torch_backend_launches": calls["torch"], "device": device}
 json.dump(out, open(os.path.join(os.environ["OUTDIR"], "e2e.json"), "w"), indent=1)
 # one variant per (parts present) of the decode kernels: a cache whose body appears mid-generation needs
 # at most 2 split variants (sink+window only, then with a body) and 1 reduce; more means recompiles
 split = counts["triton"].get("_paged_split_kernel", 0)
-ok = same and launched > 0 and split <= 2 and counts["triton"].get("_reduce_kernel", 0) <= 1
+ok = same and fp8_same and not checked.disabled() and launched > 0 and split <= 2 and counts["triton"].get("_reduce_kernel", 0) <= 1
 sys.exit(0 if ok else 1)
 PY
 }

@@ -11,12 +11,15 @@ against the H200's ~18.4 B/clock/SM of HBM (4.8 TB/s), in %.
     python benchmarks/kernel_report.py                # all variants (D 64/128/256, fp16 and bf16)
     python benchmarks/kernel_report.py --quick        # D=128 fp16 only (< 3 min on 2 cores)
     python benchmarks/kernel_report.py --subset ci    # the few variants the CI test compiles
+    python benchmarks/kernel_report.py --subset fp8   # FP8 next to int8 and int4-g64 (D=128, fp16 + bf16)
     python benchmarks/kernel_report.py --measure      # + each variant run against its fp32 twin
     python benchmarks/kernel_report.py --subset ci --measure --body 128   # the same on a CPU, interpreted
 
 --measure adds max_err (max |out - ref32| of the kernel's output against `decode_attention_ref(upcast=True)`),
 err_bound (the tests' flash-attention bound, 2 |ref_same_dtype - ref32| + atol) and err_ok per variant:
-on CUDA run in this process, on a CPU interpreted in a child process. Writes
+on CUDA run in this process, on a CPU interpreted in a child process. It also runs the first-use
+self-check (kvquant.kernels.registry) on a registry of its own: self_check is "pass" or what differed,
+probe_ms the probe's cost (its launch, the twin, the comparison; on a GPU after the compile). Writes
 benchmarks/results/kernel_report.csv (or --csv), row by row. Exit code 1 when a variant fails to compile
 or, with --measure, exceeds its bound.
 """
@@ -38,7 +41,8 @@ if os.environ.get("TRITON_INTERPRET") == "1" and "--errors-only" not in sys.argv
 
 COLUMNS = ["variant", "kernel", "dtype", "head_dim", "regs", "spill_bytes", "smem_bytes", "programs_per_sm",
            "limit", "num_warps", "loop_instr_per_64_tokens", "fp_loop_instr", "loops", "bytes_per_64_tokens",
-           "ceiling_pct", "compile_s", "error", "max_err", "err_bound", "err_ok", "err_device"]
+           "ceiling_pct", "compile_s", "error", "max_err", "err_bound", "err_ok", "err_device", "self_check",
+           "probe_ms"]
 ATOL = {"fp16": 2e-4, "bf16": 2e-3}  # tests/kernels/test_decode_attention.py's atol
 
 SCHEMES = {  # report name: (K spec, V spec)
@@ -48,6 +52,9 @@ SCHEMES = {  # report name: (K spec, V spec)
     "int2-g32": ("int2-g32", "int2-g32"),
     "kivi-4": ("int4-channel-g32", "int4-g32"),
     "kivi-2": ("int2-channel-g32", "int2-g32"),
+    "fp8-e4m3": ("fp8-e4m3", "fp8-e4m3"),  # per-token scale (shared by the heads), as int8
+    "fp8-e5m2": ("fp8-e5m2", "fp8-e5m2"),
+    "fp8-e4m3-tensor": ("fp8-e4m3-tensor", "fp8-e4m3-tensor"),  # vLLM's FP8 cache without k/v scales
 }
 LAYOUT = (32, 8)  # H_q, H_kv (Llama-3-8B); head_dim varies
 
@@ -68,6 +75,11 @@ def variants(subset: str) -> list[Variant]:
     if subset == "ci":
         return [Variant("int4-g64", True, 128, "fp16"), Variant("int8", False, 128, "fp16"),
                 Variant("kivi-2", True, 256, "fp16")]
+    if subset == "gpu":  # gpu_check.sh's: D=128 fp16, plus bf16 for int8, int4-g64 and FP8
+        return variants("quick") + [v for v in variants("fp8") if v.dtype == "bf16"]
+    if subset == "fp8":
+        return [Variant(s, False, 128, dt) for dt in ("fp16", "bf16")
+                for s in ("int8", "int4-g64", "fp8-e4m3", "fp8-e5m2", "fp8-e4m3-tensor")]
     dims = (128,) if subset == "quick" else (64, 128, 256)
     dtypes = ("fp16",) if subset == "quick" else ("fp16", "bf16")
     return [Variant(s, fp, d, dt) for d in dims for dt in dtypes for s in SCHEMES for fp in (False, True)]
@@ -100,10 +112,13 @@ def call_variant(v: Variant, device: str = "cpu", body: int = 4096, with_ref: bo
     mask = torch.ones(1, layer.shape[2], dtype=torch.bool, device=device)
     if not with_ref:
         return lambda: decode_attention(q, *layer.decode_args(), None, mask)
-    from kvquant.kernels.registry import KernelRegistry
+    from kvquant.kernels.registry import KernelRegistry, SelfCheck
 
-    # a registry of its own: a variant refused here must not hide the compile-only row that follows
-    run = lambda: decode_attention(q, *layer.decode_args(), None, mask, registry=KernelRegistry())  # noqa: E731
+    # a registry of its own: a variant refused here must not hide the compile-only row that follows; and a
+    # self-check of its own, on whatever device (the interpreter included), so its verdict is reported
+    registry = KernelRegistry("kernel_report", self_check=SelfCheck(enabled=True))
+    run = lambda: decode_attention(q, *layer.decode_args(), None, mask, registry=registry)  # noqa: E731
+    run.registry = registry
     ref = lambda upcast: decode_attention_ref(q, *layer.decode_args(), None, mask, upcast=upcast)  # noqa: E731
     return run, (lambda: ref(False)), (lambda: ref(True))
 
@@ -113,13 +128,17 @@ def measure_error(v: Variant, device: str, body: int = 4096) -> dict:
     against the tests' flash-attention bound 2 |ref_same_dtype - ref32| + atol."""
     run, ref, ref32 = call_variant(v, device, body, with_ref=True)
     out = run()
+    check = run.registry.self_check
+    verdict = next(iter(check.verdicts.values()), "not run")
+    probe = dict(self_check="pass" if verdict is None else str(verdict)[:200],
+                 probe_ms=f"{1e3 * sum(check.seconds.values()):.1f}")
     if out is None:  # the registry refused the variant (logged): no kernel output to measure
-        return dict(max_err="", err_bound="", err_ok="refused", err_device=device)
+        return dict(max_err="", err_bound="", err_ok="refused", err_device=device, **probe)
     r32 = ref32()
     err = (out.float() - r32).abs().max().item()
     bound = 2 * (ref().float() - r32).abs().max().item() + ATOL[v.dtype]
     return dict(max_err=f"{err:.3g}", err_bound=f"{bound:.3g}", err_ok=str(err <= bound).lower(),
-                err_device=device)
+                err_device=device, **probe)
 
 
 def measure_errors(vs: list[Variant], body: int) -> dict[str, dict]:
@@ -233,13 +252,14 @@ def print_row(r: dict) -> None:
           f"{r['spill_bytes']:>5} {r['smem_bytes']:>7} {r['programs_per_sm']:>4} "
           f"{r['loop_instr_per_64_tokens']!s:>5} {r['fp_loop_instr']!s:>5} {r['bytes_per_64_tokens']!s:>6} "
           f"{r['ceiling_pct']!s:>6} {r['compile_s']:>5}"
-          + (f"  err {r['max_err']} <= {r['err_bound']}: {r['err_ok']}" if r.get("err_ok") else ""))
+          + (f"  err {r['max_err']} <= {r['err_bound']}: {r['err_ok']}" if r.get("err_ok") else "")
+          + (f"  self-check {r['self_check']} ({r['probe_ms']} ms)" if r.get("self_check") else ""))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="D=128 fp16 variants only")
-    p.add_argument("--subset", choices=["all", "quick", "ci"], default=None)
+    p.add_argument("--subset", choices=["all", "quick", "ci", "fp8", "gpu"], default=None)
     p.add_argument("--csv", type=Path, default=None)
     p.add_argument("--measure", action="store_true",
                    help="also run each variant and record its max error against the fp32 reference "

@@ -192,10 +192,59 @@ def _codes_w8(p, BLOCK_T: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr, OUT
 
 
 @triton.jit
-def _stat(ptr, offs, mask, SYM: tl.constexpr, BITS: tl.constexpr, OUT: tl.constexpr, IS_ZERO: tl.constexpr):
-    """A scale (divided by qmax when symmetric, in fp32) or zero, loaded and cast to OUT."""
+def _fp8_byte_f16(b, FMT: tl.constexpr):
+    """Bytes b (int32, 0..255) holding float8 bits -> fp16 of the same value, exactly (the generic path).
+    E5M2 is the top byte of an fp16 (the same exponent), so b << 8. E4M3 (bias 7, no Inf, 0x7F/0xFF NaN):
+    sign to bit 15, exponent and mantissa shifted into fp16's fields (b & 0x7F) << 7, which reads the
+    value divided by 2^8 (fp16's bias is 15), subnormals included; times 256 is exact."""
+    if FMT == 2:
+        return (b << 8).to(tl.int16).to(tl.float16, bitcast=True)
+    h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
+    return tl.where((b & 0x7F) == 0x7F, float("nan"), h)
+
+
+@triton.jit
+def _w32_fp8_to_f16x4(w, FMT: tl.constexpr, ASM: tl.constexpr):
+    """int32 words (any shape) of four float8 codes -> four fp16 tensors of that shape, byte k of each word
+    as the value of float8 code k, exactly. Compiled (ASM): E4M3 with two `cvt.rn.f16x2.e4m3x2` per word
+    (sm_89+: one instruction per two codes, NaN kept); E5M2 with two PRMTs (each code to the high byte of
+    an fp16, zeros below), no arithmetic at all. The interpreter takes `_fp8_byte_f16` (same values)."""
+    if ASM:
+        if FMT == 2:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b32 t0, t1; prmt.b32 t0, $4, 0, 0x1404; prmt.b32 t1, $4, 0, 0x3424; "
+                "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; }",
+                "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+                pack=1)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .b16 lo, hi; .reg .b32 t0, t1; mov.b32 {lo, hi}, $4; "
+                "cvt.rn.f16x2.e4m3x2 t0, lo; cvt.rn.f16x2.e4m3x2 t1, hi; "
+                "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; }",
+                "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
+                pack=1)
+    else:
+        return (_fp8_byte_f16(w & 255, FMT), _fp8_byte_f16((w >> 8) & 255, FMT),
+                _fp8_byte_f16((w >> 16) & 255, FMT), _fp8_byte_f16((w >> 24) & 255, FMT))
+
+
+@triton.jit
+def _fp8_w8(p, BLOCK_T: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, OUT: tl.constexpr,
+            ASM: tl.constexpr):
+    """int32 words (BLOCK_T, D // 4) of float8 codes (FMT 1: E4M3, 2: E5M2; byte k of word j = code
+    4j + k) -> (BLOCK_T, D) in OUT (fp16, or fp32 for bf16/fp32 math) holding the codes' values exactly."""
+    c0, c1, c2, c3 = _w32_fp8_to_f16x4(p, FMT, ASM)
+    # join(join(c0, c2), join(c1, c3))[.., j, a, b] = c_{2a+b} = code 4j + 2a + b
+    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_T, D)).to(OUT)
+
+
+@triton.jit
+def _stat(ptr, offs, mask, SYM: tl.constexpr, BITS: tl.constexpr, OUT: tl.constexpr, IS_ZERO: tl.constexpr,
+          FMT: tl.constexpr = 0):
+    """A scale (divided by qmax when symmetric integer, in fp32) or zero, loaded and cast to OUT; an FP8
+    scale (FMT > 0) is the stored one as it is."""
     x = tl.load(ptr + offs, mask=mask, other=0.0)
-    if SYM and not IS_ZERO:
+    if SYM and not IS_ZERO and FMT == 0:
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
         x = x.to(tl.float32) * (1.0 / QMAX)
     return x.to(OUT)
@@ -206,7 +255,7 @@ def _load_body(
     c_ptr, s_ptr, z_ptr, pg, slot, h, valid, tab_row, s_btn, t0, hi, B_OFF,
     H_KV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
     SYM: tl.constexpr, TE: tl.constexpr, CE: tl.constexpr, SHARED: tl.constexpr, IDX64: tl.constexpr,
-    OUT: tl.constexpr, ASM: tl.constexpr,
+    OUT: tl.constexpr, ASM: tl.constexpr, FMT: tl.constexpr, UNIT: tl.constexpr,
 ):
     """Body tokens at pages pg (BLOCK_T,) int32, slots slot (BLOCK_T,) of KV head h ->
     (x (BLOCK_T, D) in OUT, s, z (BLOCK_T,) fp32).
@@ -222,7 +271,9 @@ def _load_body(
     channel-wise: TE tokens share it); s and z are returned as zeros. Channel-wise with TE <= BLOCK_T, the
     block [t0, t0 + BLOCK_T) of the region (tab_row: its block-table row, s_btn: stride; hi: its end)
     holds BLOCK_T // TE whole scale rows (t0, B_OFF and BS are multiples of TE): those rows are loaded
-    once, (BLOCK_T // TE, D), and broadcast along their TE tokens, instead of one row per token."""
+    once, (BLOCK_T // TE, D), and broadcast along their TE tokens, instead of one row per token.
+    FMT 1 / 2: float8 codes (E4M3 / E5M2, kvquant.codec_fp8) read as int32 words, their values times the
+    scale laid out as above (no zero; SYM); UNIT: no scale at all (`-tensor`), x is the codes' values."""
     offs_d = tl.arange(0, D)
     row = (pg * H_KV + h) * BS + slot  # (BLOCK_T,) row of the (P * H * BS, cols) pool
     if IDX64:
@@ -242,7 +293,11 @@ def _load_body(
         # fp16: codes and dequantization in fp16 (packed HFMA2); bf16 and fp32: in fp32 (the interpreter has
         # no bf16 arithmetic), then one rounding to OUT (codes stay exact: |c| <= 255)
         MATH: tl.constexpr = tl.float16 if OUT == tl.float16 else tl.float32
-        if WORDS:
+        if FMT != 0 and WORDS:
+            c = _fp8_w8(p, BLOCK_T, D, FMT, MATH, ASM)  # (BLOCK_T, D): the float8 values
+        elif FMT != 0:  # a pool not aligned to words: byte by byte
+            c = _fp8_byte_f16(p.to(tl.int32), FMT).to(MATH)
+        elif WORDS:
             c = _codes_w8(p, BLOCK_T, D, BIAS, MATH, ASM)  # (BLOCK_T, D): code - offset
         else:
             c = _codes(p, BLOCK_T, D, BITS, BIAS, MATH, ASM)
@@ -257,8 +312,10 @@ def _load_body(
             srow = srow.to(tl.int64)
         s = none
         z = none
-        if TE == 1 and NG == 1:  # one scale per token (and head): folded by the caller
-            s = _stat(s_ptr, srow, valid, SYM, BITS, tl.float32, False)
+        if UNIT:  # FP8 -tensor: scale 1, nothing stored
+            x = c
+        elif TE == 1 and NG == 1:  # one scale per token (and head): folded by the caller
+            s = _stat(s_ptr, srow, valid, SYM, BITS, tl.float32, False, FMT)
             z = none
             if not SYM:
                 z = _stat(z_ptr, srow, valid, SYM, BITS, tl.float32, True)
@@ -274,7 +331,7 @@ def _load_body(
             if IDX64:
                 srg = srg.to(tl.int64)
             sp = srg[:, None] * D + offs_d[None, :]  # (NR, D)
-            sc = _stat(s_ptr, sp, vg[:, None], SYM, BITS, MATH, False)[:, None, :]
+            sc = _stat(s_ptr, sp, vg[:, None], SYM, BITS, MATH, False, FMT)[:, None, :]
             c3 = tl.reshape(c, (NR, TE, D))
             if SYM:
                 x3 = c3 * sc
@@ -283,7 +340,7 @@ def _load_body(
             x = tl.reshape(x3, (BLOCK_T, D))
         elif TE > 1:  # channel-wise, TE > BLOCK_T: a row per token (L1 serves the repeats)
             sp = srow[:, None] * D + offs_d[None, :]
-            sc = _stat(s_ptr, sp, valid[:, None], SYM, BITS, MATH, False)
+            sc = _stat(s_ptr, sp, valid[:, None], SYM, BITS, MATH, False, FMT)
             if SYM:
                 x = c * sc
             else:
@@ -291,7 +348,7 @@ def _load_body(
         else:  # NG groups of CE channels: a (BLOCK_T, NG) tile, broadcast along each group
             offs_g = tl.arange(0, NG)
             sp = srow[:, None] * NG + offs_g[None, :]
-            sc = _stat(s_ptr, sp, valid[:, None], SYM, BITS, MATH, False)[:, :, None]
+            sc = _stat(s_ptr, sp, valid[:, None], SYM, BITS, MATH, False, FMT)[:, :, None]
             c3 = tl.reshape(c, (BLOCK_T, NG, CE))
             if SYM:
                 x3 = c3 * sc
@@ -366,6 +423,7 @@ def _paged_split_kernel(
     BS: tl.constexpr, IDX64: tl.constexpr,
     K_BITS: tl.constexpr, K_SYM: tl.constexpr, K_TE: tl.constexpr, K_CE: tl.constexpr, K_SHARED: tl.constexpr,
     V_BITS: tl.constexpr, V_SYM: tl.constexpr, V_TE: tl.constexpr, V_CE: tl.constexpr, V_SHARED: tl.constexpr,
+    K_FMT: tl.constexpr, K_UNIT: tl.constexpr, V_FMT: tl.constexpr, V_UNIT: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BODY: tl.constexpr, HAS_FP: tl.constexpr, DOT_FP32: tl.constexpr,
     BODY_STAGES: tl.constexpr, FP_STAGES: tl.constexpr, W: tl.constexpr,
     ASM: tl.constexpr,
@@ -386,8 +444,8 @@ def _paged_split_kernel(
     qsum = tl.sum(q.to(tl.float32), axis=1)  # (G_PAD,): the zero of an asymmetric per-token K, folded
     q = tl.broadcast_to(q[None, :, :], (W, G_PAD, D))
     none = tl.zeros((BLOCK_T,), tl.float32)
-    K_FOLD: tl.constexpr = K_BITS < 16 and K_TE == 1 and K_CE == D
-    V_FOLD: tl.constexpr = V_BITS < 16 and V_TE == 1 and V_CE == D
+    K_FOLD: tl.constexpr = K_BITS < 16 and K_TE == 1 and K_CE == D and not K_UNIT
+    V_FOLD: tl.constexpr = V_BITS < 16 and V_TE == 1 and V_CE == D and not V_UNIT
     m_i = tl.full((W, G_PAD), float("-inf"), tl.float32)
     l_i = tl.zeros((W, G_PAD), tl.float32)
     acc = tl.zeros((W, D, G_PAD), tl.float32)
@@ -407,10 +465,10 @@ def _paged_split_kernel(
                 slot = (j % BS).to(tl.int32)
                 k, ks, kz = _load_body(kc_ptr, ks_ptr, kz_ptr, pg, slot, h, valid, tab_row, s_btn, t0, hi,
                                        B_OFF, H_KV, D, BLOCK_T, BS,
-                                       K_BITS, K_SYM, K_TE, K_CE, K_SHARED, IDX64, cdt, ASM)
+                                       K_BITS, K_SYM, K_TE, K_CE, K_SHARED, IDX64, cdt, ASM, K_FMT, K_UNIT)
                 v, vs, vz = _load_body(vc_ptr, vs_ptr, vz_ptr, pg, slot, h, valid, tab_row, s_btn, t0, hi,
                                        B_OFF, H_KV, D, BLOCK_T, BS,
-                                       V_BITS, V_SYM, V_TE, V_CE, V_SHARED, IDX64, cdt, ASM)
+                                       V_BITS, V_SYM, V_TE, V_CE, V_SHARED, IDX64, cdt, ASM, V_FMT, V_UNIT)
                 m_i, l_i, acc = _attend(q, qsum, k, ks, kz, v, vs, vz, valid, m_i, l_i, acc, qk_scale,
                                         K_FOLD, K_SYM, V_FOLD, V_SYM, W, DOT_FP32)
     else:
@@ -537,15 +595,29 @@ def _table_args(region, bsz: int, like: torch.Tensor):
     return t, (t.stride(0) if t.shape[0] == bsz else 0), t.stride(1)
 
 
+_FP8_FORMATS = {"e4m3": 1, "e5m2": 2}
+
+
 def _body_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: int, bs: int, like):
-    """(codes, scale, zero) pools and (BITS, SYM, TE, CE, SHARED) of one body; dummies when absent."""
+    """(codes, scale, zero) pools and (BITS, SYM, TE, CE, SHARED, FMT, UNIT) of one body; dummies when absent.
+    FMT: 0 integer codes, 1 / 2 float8 E4M3 / E5M2 (an `FP8KernelLayout`); UNIT: FP8 without a scale."""
     if codec is None:
-        return (like, like, like), (16, False, 1, d, False)
+        return (like, like, like), (16, False, 1, d, False, 0, False)
     lay = codec.kernel_layout()
     if lay.bits == 16:
         vals = pages["values"]
         _check_pool("values", vals, (h_kv, bs, d), like)
-        return (vals, vals, vals), (16, False, 1, d, False)
+        return (vals, vals, vals), (16, False, 1, d, False, 0, False)
+    fp8 = getattr(lay, "fp8", None)
+    fmt, unit = (_FP8_FORMATS[fp8], bool(lay.unit_scale)) if fp8 is not None else (0, False)
+    if unit:
+        codes = pages["codes"]
+        if codes.dtype != torch.uint8:
+            raise TypeError(f"decode_attention: FP8 codes must be uint8, got {codes.dtype}")
+        _check_pool("codes", codes, (h_kv, bs, d), like)
+        if codes.storage_offset() % 4 == 0:
+            codes = codes.view(torch.int32)
+        return (codes, codes, codes), (8, True, 1, d, False, fmt, True)
     codes, scale = pages["codes"], pages["scale"]
     zero = pages.get("zero", scale) if not lay.symmetric else scale
     if codes.dtype != torch.uint8:
@@ -556,7 +628,8 @@ def _body_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: in
     shared = lay.shared_heads or h_kv == 1 or scale.shape[1] == 1
     for name, t in (("scale", scale), ("zero", zero)):
         _check_pool(name, t, (1 if shared else h_kv, bs // lay.token_extent, d // lay.channel_extent), like)
-    return (codes, scale, zero), (lay.bits, lay.symmetric, lay.token_extent, lay.channel_extent, shared)
+    return (codes, scale, zero), (lay.bits, lay.symmetric, lay.token_extent, lay.channel_extent, shared, fmt,
+                                  False)
 
 
 def _check_pool(name: str, t: torch.Tensor, tail: tuple[int, ...], like: torch.Tensor) -> None:
@@ -586,7 +659,7 @@ def _mask_arg(key_mask: torch.Tensor | None, bsz: int, total: int, like: torch.T
 
 
 def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, sink, body, recent,
-            scaling, key_mask, num_splits, num_warps, body_stages, fp_stages, registry):
+            scaling, key_mask, num_splits, num_warps, body_stages, fp_stages, registry, idx64=None):
     if query.dim() != 4 or query.shape[2] != 1:
         raise ValueError(f"decode_attention: query must be (B, H_q, 1, D), got {tuple(query.shape)}")
     if query.dtype not in _FLOAT:
@@ -614,10 +687,10 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
             if bs % te or int(body.offset) % te:
                 raise ValueError(f"decode_attention: block_size {bs} and the body offset must be multiples "
                                  f"of the token group {te}")
-    kb, (k_bits, k_sym, k_te, k_ce, k_sh) = _body_args(key_codec if t_body else None, key_pages, h_kv, d, bs,
-                                                       query)
-    vb, (v_bits, v_sym, v_te, v_ce, v_sh) = _body_args(value_codec if t_body else None, value_pages, h_kv, d,
-                                                       bs, query)
+    kb, (k_bits, k_sym, k_te, k_ce, k_sh, k_fmt, k_unit) = _body_args(
+        key_codec if t_body else None, key_pages, h_kv, d, bs, query)
+    vb, (v_bits, v_sym, v_te, v_ce, v_sh, v_fmt, v_unit) = _body_args(
+        value_codec if t_body else None, value_pages, h_kv, d, bs, query)
 
     g = h_q // h_kv
     g_pad = max(8, triton.next_power_of_2(g))  # the N side of P V (mma n8), padded
@@ -648,11 +721,13 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
     some_table = next(x.table for x in (sink, body, recent) if _length(x))
     st, rt, btab = (_table_args(x, bsz, some_table) for x in (sink, recent, body))
     fpk, fpv = (fp_k, fp_v) if has_fp else (query, query)
-    idx64 = max(t.numel() for t in (fpk, fpv, *kb, *vb)) >= 2**31
+    if idx64 is None:  # (the self-check's probe passes the checked call's, to compile the same variant)
+        idx64 = max(t.numel() for t in (fpk, fpv, *kb, *vb)) >= 2**31
     consts = dict(
         H_KV=h_kv, G=g, G_PAD=g_pad, D=d, BLOCK_T=BLOCK_T, BS=bs, IDX64=idx64,
         K_BITS=k_bits, K_SYM=k_sym, K_TE=k_te, K_CE=k_ce, K_SHARED=k_sh,
         V_BITS=v_bits, V_SYM=v_sym, V_TE=v_te, V_CE=v_ce, V_SHARED=v_sh,
+        K_FMT=k_fmt, K_UNIT=k_unit, V_FMT=v_fmt, V_UNIT=v_unit,
         HAS_MASK=has_mask, HAS_BODY=t_body > 0, HAS_FP=has_fp, DOT_FP32=dot_fp32,
         BODY_STAGES=body_stages or 0, FP_STAGES=fp_stages, W=0, ASM=not _interpreting(),
     )
@@ -673,6 +748,13 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
         n_body, nsplit, body_chunk, fp_chunk, scale * _LOG2E,
     )
     registry = registry or default_registry()
+    trusted = getattr(registry, "trusted", None)  # (a stand-in registry, as a benchmark's recorder, has none)
+    if trusted is not None:
+        spec = _ProbeSpec(query.dtype, fpk.dtype, key_codec, value_codec, h_kv, g, d, bs, t_body > 0, has_fp,
+                          has_mask, num_warps, body_stages, fp_stages, idx64)
+        probe = lambda: _probe(spec, query.device, registry)  # noqa: E731
+        if not trusted("decode_attention", variant, query.device, probe):
+            return None
     if not registry.launch(_paged_split_kernel, (nsplit, bh), args, dict(consts, num_warps=num_warps),
                            variant):
         return None
@@ -681,6 +763,81 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
                            dict(G=g, D=d, SPLIT_BLOCK=SPLIT_BLOCK), (query.dtype, g, d)):
         return None
     return out
+
+
+# ----------------------------------------------------------------------------------------------- self-check
+
+PROBE_ATOL = {torch.float16: 2e-4, torch.bfloat16: 2e-3, torch.float32: 2e-5}  # tests/kernels' atol
+
+
+@dataclass(frozen=True)
+class _ProbeSpec:
+    """What makes a call compile its variant: a probe with the same fields compiles the same code."""
+
+    dtype: torch.dtype
+    fp_dtype: torch.dtype
+    key_codec: object
+    value_codec: object
+    h_kv: int
+    g: int
+    d: int
+    bs: int
+    has_body: bool
+    has_fp: bool
+    has_mask: bool
+    num_warps: int
+    body_stages: int | None
+    fp_stages: int
+    idx64: bool
+
+
+def _probe(spec: _ProbeSpec, device, registry) -> str | None:
+    """The first-use self-check of one decode variant (`KernelRegistry.trusted`): a small layer of the same
+    variant (2 sequences, two 64-token body blocks in two splits over shuffled pages, a sink of 2 and a
+    window of 5 from mid-page when the variant has them, a left-padding mask when it has one) through the
+    same launcher, against `decode_attention_ref`: None when |out - ref32| <= 2 |ref - ref32| + atol
+    everywhere (the tests' bound), else what differed. None too when the variant cannot be built (the
+    registry has recorded that; the caller takes the reference path)."""
+    from .testing import make_paged_layer
+
+    group = max(spec.key_codec.token_group, spec.value_codec.token_group) if spec.has_body else 1
+    body = -(-2 * BLOCK_T // group) * group if spec.has_body else 0
+    fp = spec.has_fp
+    layer = make_paged_layer(b=2, h_kv=spec.h_kv, d=spec.d, sink=2 if fp else 0, body=body,
+                             recent=5 if fp else 0, recent_offset=3 if fp else 0, k=spec.key_codec,
+                             v=spec.value_codec, dtype=spec.fp_dtype, block_size=spec.bs, spare=1, seed=1234,
+                             device=device)
+    gen = torch.Generator().manual_seed(99)
+    q = torch.randn(2, spec.h_kv * spec.g, 1, spec.d, generator=gen).to(spec.dtype).to(device)
+    mask = None
+    if spec.has_mask:
+        mask = torch.rand(2, layer.shape[2], generator=gen) < 0.8
+        mask[1, :3] = False  # left padding
+        mask[:, 0] = True
+        mask = mask.to(device)
+    args = layer.decode_args()
+    out = _launch(q, *args, None, mask, 2, spec.num_warps, spec.body_stages, spec.fp_stages, registry,
+                  idx64=spec.idx64)
+    if out is None:
+        return None
+    ref32 = decode_attention_ref(q, *args, None, mask, upcast=True)
+    ref = decode_attention_ref(q, *args, None, mask)
+    return _compare(out, ref, ref32, PROBE_ATOL[spec.dtype])
+
+
+def _compare(out: torch.Tensor, ref: torch.Tensor, ref32: torch.Tensor, atol: float) -> str | None:
+    """None when out (B, 1, H_q, D) is within the float bound of ref32, else the largest miss and where."""
+    err = (out.float() - ref32).abs()
+    err = torch.where(torch.isfinite(out.float()), err, torch.full_like(err, float("inf")))
+    bound = 2 * (ref.float() - ref32).abs().max().item() + atol
+    worst = err.max().item()
+    if worst <= bound:
+        return None
+    i = int(err.argmax())
+    b, _, h, c = (int(x) for x in torch.unravel_index(torch.tensor(i), err.shape))
+    return (f"max |out - ref32| = {worst:.3g} > bound {bound:.3g} at sequence {b}, query head {h}, "
+            f"channel {c} (kernel {out[b, 0, h, c].item():.6g}, fp32 twin {ref32[b, 0, h, c].item():.6g}); "
+            f"{int((err > bound).sum())} of {err.numel()} outputs over the bound")
 
 
 # ----------------------------------------------------------------------------------------------- public

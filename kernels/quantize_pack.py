@@ -249,7 +249,7 @@ def kernel_supports(x: torch.Tensor, spec: QuantSpec) -> bool:
     if x.dtype not in _SCALE_KIND or not spec.is_quantized:
         return False
     lay = codec_for(spec, x.shape[1], x.shape[3], x.dtype).kernel_layout()
-    if lay is None:
+    if lay is None or lay.bits == 16 or not _affine(lay):
         return False
     return lay.token_extent > 1 or lay.channel_extent % (8 // spec.bits) == 0
 
@@ -290,7 +290,7 @@ def write_fields(pages: Mapping[str, torch.Tensor], fields: Mapping[str, torch.T
 def _launch_into(x, codec, pages, table, start, registry) -> bool:
     """Quantize x and write it through the table; False when the kernel cannot serve (caller: the ref)."""
     lay = codec.kernel_layout()
-    if lay is None or lay.bits == 16 or x.dtype not in _SCALE_KIND:
+    if lay is None or lay.bits == 16 or x.dtype not in _SCALE_KIND or not _affine(lay):
         return False
     x = x.to(codec.dtype)  # codec.encode quantizes the K/V dtype
     b, h, t, d = x.shape
@@ -328,8 +328,61 @@ def _launch_into(x, codec, pages, table, start, registry) -> bool:
         grid = (t, b)
         kernel = _quantize_token_kernel
     variant = (x.dtype, codes.dtype, scale.dtype, *sorted(consts.items()))
-    return (registry or default_registry()).launch(kernel, grid, args, dict(consts, enable_fp_fusion=False),
-                                                   variant)
+    registry = registry or default_registry()
+    trusted = getattr(registry, "trusted", None)
+    if trusted is not None and not trusted("quantize_pack", variant, x.device,
+                                           lambda: _probe(codec, x.device, registry)):
+        return False
+    return registry.launch(kernel, grid, args, dict(consts, enable_fp_fusion=False), variant)
+
+
+def _affine(lay) -> bool:
+    """Whether a kernel layout is the affine integer one these kernels quantize (FP8's is read by the
+    decode kernel only: its appends take the reference encoder, the same bits)."""
+    return getattr(lay, "fp8", None) is None
+
+
+def _probe(codec, device, registry) -> str | None:
+    """The first-use self-check of one pack variant (`KernelRegistry.trusted`): 2 sequences of a few token
+    groups (a zero token, an outlier), written from mid-page through shuffled pages over garbage, by the
+    kernel and by `quantize_pack_into_ref`: None when every pool is equal (torch.equal), else what
+    differed. None too when the kernel declines or cannot be built (the caller takes the reference)."""
+    h, d, te = codec.heads, codec.head_dim, codec.token_group
+    gen = torch.Generator().manual_seed(4321)
+    t = 2 * te if te > 1 else 5
+    start = te if te > 1 else 3
+    bs = te * max(1, 16 // te)
+    x = torch.randn(2, h, t, d, generator=gen) * 3
+    x[0, :, 0] = 0.0  # a constant block (scale 0)
+    x[1, 0, -1, 0] = 60.0  # an outlier that sets its block's range
+    x = x.to(codec.dtype).to(device)
+    n = -(-(start + t) // bs)
+    ids = torch.randperm(2 * n + 1, generator=gen)
+    table = ids[: 2 * n].view(2, n).to(device)
+    pools = {}
+    for name, f in codec.fields().items():
+        shape = (2 * n + 1, f.heads, bs // f.tokens, f.cols)
+        if f.dtype == torch.uint8:
+            pools[name] = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
+        else:
+            pools[name] = (torch.rand(shape, generator=gen) + 0.5).to(f.dtype)
+    got = {k: p.to(device) for k, p in pools.items()}
+    want = {k: p.clone().to(device) for k, p in pools.items()}
+    if not _launch_into(x, codec, got, table, start, registry):
+        return None
+    quantize_pack_into_ref(x, codec, want, table, start)
+    problems = []
+    for name in want:
+        a, b = got[name], want[name]
+        if torch.equal(a, b):
+            continue
+        diff = (a != b) if a.dtype == torch.uint8 else ~((a == b) | (a.isnan() & b.isnan()))
+        if not diff.any():
+            continue
+        where = tuple(int(i) for i in diff.nonzero()[0])
+        problems.append(f"{name}: {int(diff.sum())} of {diff.numel()} elements differ, first at (page, head, "
+                        f"row, col) {where}: kernel {a[where].item()}, reference {b[where].item()}")
+    return "; ".join(problems) or None
 
 
 # ----------------------------------------------------------------------------------------------- public

@@ -68,13 +68,16 @@ def _garbage_pool(shape, dtype, g: torch.Generator) -> torch.Tensor:
 
 def make_paged_layer(
     *, b: int = 2, h_kv: int = 2, d: int = 64, sink: int = 2, body: int = 40, recent: int = 5,
-    k: str = "int4-g32", v: str = "int4-g32", dtype: torch.dtype = torch.float16, device="cpu",
+    k: str | Codec = "int4-g32", v: str | Codec = "int4-g32", dtype: torch.dtype = torch.float16,
+    device="cpu",
     block_size: int = 16, recent_offset: int = 0, shuffle: bool = True, share: bool = False, seed: int = 0,
     spare: int = 3,
 ) -> PagedLayer:
-    """A random paged layer. body must be a multiple of both codecs' token groups."""
+    """A random paged layer. body must be a multiple of both codecs' token groups. k, v: scheme texts,
+    or codecs already built (the self-check's probes pass a variant's own; dtype is then the FP pools')."""
     g = torch.Generator().manual_seed(seed)
-    kc, vc = codec_for(k, h_kv, d, dtype), codec_for(v, h_kv, d, dtype)
+    kc = k if isinstance(k, Codec) else codec_for(k, h_kv, d, dtype)
+    vc = v if isinstance(v, Codec) else codec_for(v, h_kv, d, dtype)
     bs = block_size
     cdiv = lambda a, n: -(-a // n)
     n_sink, n_body, n_rec = cdiv(sink, bs), cdiv(body, bs), cdiv(recent_offset + recent, bs)

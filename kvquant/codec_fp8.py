@@ -21,13 +21,14 @@ Rounding is torch's float -> float8 cast (round to nearest even). Non-finite inp
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import torch
 
-from .codec import Codec, Field, block_extent, torch_dtype
+from .codec import Codec, Field, KernelLayout, block_extent, torch_dtype
 from .scheme import QuantSpec
 
-__all__ = ["FP8Codec", "FP8_DTYPES", "fp8_max"]
+__all__ = ["FP8Codec", "FP8KernelLayout", "FP8_DTYPES", "fp8_max"]
 
 FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
@@ -35,6 +36,15 @@ FP8_DTYPES: dict[str, torch.dtype] = {"e4m3": torch.float8_e4m3fn, "e5m2": torch
 def fp8_max(kind: str) -> float:
     """Largest finite value of an FP8 kind: 448 (e4m3fn), 57344 (e5m2)."""
     return float(torch.finfo(FP8_DTYPES[kind]).max)
+
+
+@dataclass(frozen=True)
+class FP8KernelLayout(KernelLayout):
+    """An FP8 codec's kernel layout: 8-bit `codes` holding float8 bits of kind `fp8` ("e4m3" or "e5m2"),
+    times a scale laid out as the integer codecs' (no zero); unit_scale: no scale field (-tensor)."""
+
+    fp8: str = "e4m3"
+    unit_scale: bool = False
 
 
 class FP8Codec(Codec):
@@ -77,6 +87,15 @@ class FP8Codec(Codec):
         scale = torch.where(finite, scale, torch.nan)
         codes = self._cast(e.unblocks(q, x.shape))  # (B, H, T, D)
         return {"codes": codes.contiguous(), "scale": scale.squeeze(-1).contiguous()}
+
+    def kernel_layout(self) -> FP8KernelLayout:
+        """Read in place by the decode kernel (kvquant.kernels.decode_attention); appends take `encode`."""
+        if self.unit_scale:
+            return FP8KernelLayout(bits=8, symmetric=True, channel_extent=self.head_dim, fp8=self.spec.fp8,
+                                   unit_scale=True)
+        e = self.extent
+        return FP8KernelLayout(bits=8, symmetric=True, token_extent=e.tokens, channel_extent=e.channels,
+                               shared_heads=e.heads == self.heads and self.heads > 1, fp8=self.spec.fp8)
 
     def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         values = fields["codes"].contiguous().view(self.fp8_dtype).float()  # (B, H, T, D)
