@@ -10,13 +10,21 @@ when all its positions are present. Per layer it may hold two versions of its to
 
 Reuse is decode-exact. A new request of n tokens starts at R = sink + j*bs (the largest R <= n - 1 the index
 covers) in the state token-by-token decoding reaches after R tokens: sink FP, body = positions below
-`scheme.quantized_end(R)` quantized, window = the positions from there to R in FP. So it needs body versions
-for the units below quantized_end(R) and FP versions for the units from there to R; for schemes without a
-window (`int4-g64`, `fp16`) that is just the body pages, for windowed ones (`kivi-2`) the FP copies the
-source held when it registered (register after a prefill chunk ends at the shared prefix's boundary). The
-rest of the prompt is computed as usual. The body page holding the quantized/window boundary may be only
-partly used; the first write into it copies it (copy-on-write). Given the same K/V for the shared positions
-(the same chunking up to R), the attention inputs and logits after a hit are bit-identical to recomputing.
+`plan.quantized_end(R)` quantized, window = the positions from there to R in FP (each layer's
+`kvquant.plan.LayerPlan` says where the body ends). So it needs body versions for the units below
+quantized_end(R) and FP versions for the units from there to R; for schemes without a window (`int4-g64`,
+`fp16`) that is just the body pages, for windowed ones (`kivi-2`) the FP copies the source held when it
+registered (register after a prefill chunk ends at the shared prefix's boundary). The rest of the prompt is
+computed as usual. The body page holding the quantized/window boundary may be only partly used; the first
+write into it copies it (copy-on-write). Given the same K/V for the shared positions (the same chunking up to
+R), the attention inputs and logits after a hit are bit-identical to recomputing.
+
+An FP copy is not always whole: tokens that leave the window inside the forward that brings them go
+straight to the body and are never written to their FP window page, so that page holds FP values only from
+some position on. Each FP version records that position (`PageUnit.fp_from`, from where the forwards that fed
+the source ended: `register(..., forward_ends=)`, which `kvquant.serving.Engine` passes), and a hit uses it
+only when every position its window reads lies at or after it. Without forward ends, only the source's
+current window counts as written.
 
 Two indexes behind one interface (`PrefixIndex`): `HashChainIndex` (vLLM: a unit's key hashes its parent's
 key, its token ids, the scheme and block size) and `RadixIndex` (SGLang: a radix tree whose edges are runs
@@ -32,7 +40,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
-from .cache import QuantizedCache
+from .cache import QuantizedCache, QuantizedLayer
+from .plan import LayerPlan
 from .store import KVStore
 
 __all__ = [
@@ -61,6 +70,7 @@ class PageUnit:
     sink: bool
     body: tuple[int, ...] | None = None  # body page per layer (quantized, or dense for fp16 schemes)
     fp: tuple[int, ...] | None = None  # FP page per layer: a sink page, or the FP copy of a window page
+    fp_from: int = 0  # the FP copy holds the unit's positions >= this, in every layer (sink copies: all)
 
 
 @dataclass
@@ -181,17 +191,27 @@ class PrefixIndex(ABC):
         unit.pages = PageUnit(unit.pages.sink)
 
     def _merge(self, unit: Unit, pages: PageUnit) -> bool:
-        """Add the versions `pages` has and `unit` lacks (increfed); whether anything was added."""
+        """Add the versions `pages` has and `unit` lacks (increfed), and take its FP copy where it holds more
+        positions than the cached one; whether anything was added or replaced."""
         added = False
         for which in ("body", "fp"):
-            if getattr(unit.pages, which) is None and getattr(pages, which) is not None:
-                setattr(unit.pages, which, getattr(pages, which))
-                self._ref(pages, which)
+            mine, theirs = getattr(unit.pages, which), getattr(pages, which)
+            if theirs is None:
+                continue
+            fuller = which == "fp" and mine is not None and pages.fp_from < unit.pages.fp_from
+            if mine is None or fuller:
+                self._ref(pages, which)  # before the old version's decref: they may be the same pages
+                if fuller:
+                    for lp, page in zip(self.store.layers, mine, strict=True):
+                        lp.fp.decref(page)
+                setattr(unit.pages, which, theirs)
+                if which == "fp":
+                    unit.pages.fp_from = pages.fp_from
                 added = True
         return added
 
     def _new_unit(self, tokens: Tokens, pages: PageUnit, depth: int, now: int) -> Unit:
-        unit = Unit(tokens, PageUnit(pages.sink), depth, now)
+        unit = Unit(tokens, PageUnit(pages.sink, fp_from=pages.fp_from), depth, now)
         self._merge(unit, pages)
         return unit
 
@@ -390,7 +410,7 @@ def make_index(kind: str, store: KVStore) -> PrefixIndex:
 # ----------------------------------------------------------------------------------- caches <-> the index
 
 
-def _layers(cache: QuantizedCache):
+def _layers(cache: QuantizedCache) -> list[QuantizedLayer]:
     if cache.store is None:
         raise ValueError(
             "prefix caching needs a cache on the shared store (QuantizedCache(..., store=store))"
@@ -398,19 +418,61 @@ def _layers(cache: QuantizedCache):
     return cache.layers
 
 
-def register(cache: QuantizedCache, ids: Sequence[int], index: PrefixIndex) -> int:
+def _plans(layers: Sequence[QuantizedLayer], store: KVStore) -> list[LayerPlan]:
+    """Each layer's storage plan: its own once it holds tokens, else the store's for that layer (the same
+    rule: a cache on a store has the store's scheme, block size and no tables)."""
+    return [lay.plan if lay.is_initialized else store.plans[i] for i, lay in enumerate(layers)]
+
+
+def _fp_written_from(plan: LayerPlan, forward_ends: Sequence[int], lo: int, hi: int) -> int:
+    """The first position of [lo, hi) from which every position up to hi was written to the FP window pages.
+    A forward from q0 to p1 writes its tokens from max(q0, quantized_end(p1)) on; those before that left the
+    window inside it and went straight to the body (`QuantizedLayer.update`). Only forwards ending after lo
+    can touch the page: they are read from the last one back (a held window page is near the end)."""
+    written_from = lo
+    for n in range(len(forward_ends) - 1, -1, -1):
+        p1 = forward_ends[n]
+        if p1 <= lo:
+            break
+        q0 = forward_ends[n - 1] if n else 0
+        hole_end = plan.quantized_end(p1)  # [q0, hole_end) of this forward: encoded, never FP in the window
+        if q0 < hole_end and q0 < hi and hole_end > lo:
+            written_from = max(written_from, hole_end)
+    return written_from
+
+
+def register(
+    cache: QuantizedCache,
+    ids: Sequence[int],
+    index: PrefixIndex,
+    *,
+    forward_ends: Sequence[int] | None = None,
+) -> int:
     """Index every complete unit a one-sequence cache holds now (ids: its token ids, at least as many as it
-    holds); returns units added. Call it after a prefill chunk or a turn; units already cached are kept."""
+    holds; they are trusted: `kvquant.serving.Engine` checks them against what it ran); returns units added.
+    Call it after a prefill chunk or a turn; units already cached are kept.
+
+    forward_ends: where each forward that fed the cache ended, in order (an adopted prefix counts as one
+    forward ending at its length); they tell which positions of the window pages hold FP values (see the
+    module doc). Default: one forward of everything held, so only the current window counts."""
     layers = _layers(cache)
     first = layers[0]
     if not first.is_initialized or first.length == 0:
         return 0
     if first.batch_size != 1:
         raise ValueError(f"register takes a one-sequence cache, this one holds {first.batch_size}")
-    length, sink, bs = first.length, first.scheme.sink, first.block_size
+    length = first.length
+    plans = _plans(layers, index.store)
+    sink, bs = plans[0].sink, plans[0].block_size
     ids = list(ids)[:length]
     if len(ids) < length:
         raise ValueError(f"the cache holds {length} tokens but only {len(ids)} ids were given")
+    ends = [length] if forward_ends is None else [int(e) for e in forward_ends]
+    if not ends or ends[-1] != length or any(b <= a for a, b in zip([0, *ends], ends, strict=False)):
+        raise ValueError(
+            f"forward_ends must rise to the {length} tokens the cache holds (where each forward ended), "
+            f"got {ends[:4]}{'...' if len(ends) > 4 else ''} ending at {ends[-1] if ends else None}"
+        )
     tokens = unit_tokens(ids, sink, bs)
     pages: list[PageUnit] = []
     n_sink = -(-sink // bs)
@@ -422,14 +484,26 @@ def register(cache: QuantizedCache, ids: Sequence[int], index: PrefixIndex) -> i
             pages.append(PageUnit(True, fp=tuple(r[u] for r in rows)))
             continue
         j = u - n_sink
-        body = fp = None
-        if (j + 1) * bs <= first.body_len and j >= first.body_t.first and j < first.body_t.end:
-            body = tuple(lay.body_t.rows[0][j - lay.body_t.first] for lay in layers)
-        if first.recent_t.first <= j < first.recent_t.end:
-            fp = tuple(lay.recent_t.rows[0][j - lay.recent_t.first] for lay in layers)
+        lo, hi = sink + j * bs, sink + (j + 1) * bs  # the unit's positions
+        body: tuple[int, ...] | None = ()
+        fp: tuple[int, ...] | None = ()
+        fp_from = 0
+        for lay, plan in zip(layers, plans, strict=True):
+            bt, rt = lay.body_t, lay.recent_t
+            if body is not None and (j + 1) * bs <= lay.body_len and bt.first <= j < bt.end:
+                body += (bt.rows[0][j - bt.first],)
+            else:
+                body = None
+            held = fp is not None and rt.first <= j < rt.end
+            written = _fp_written_from(plan, ends, lo, hi) if held else hi
+            if written < hi:
+                fp += (rt.rows[0][j - rt.first],)
+                fp_from = max(fp_from, written)
+            else:
+                fp = None
         if body is None and fp is None:
-            break  # released (an eviction policy): the chain stops here
-        pages.append(PageUnit(False, body, fp))
+            break  # released (an eviction policy), or no FP value of it held: the chain stops here
+        pages.append(PageUnit(False, body, fp, fp_from if fp is not None else 0))
     return index.insert(tokens[: len(pages)], pages)
 
 
@@ -442,6 +516,29 @@ class Hit:
     matched_units: int  # units the index held for this prompt (some may not be usable, see `attach`)
 
 
+def _resume_pages(matched: Sequence[Unit], plan: LayerPlan, n_sink: int, j: int, layer: int):
+    """The pages one layer adopts to resume decode-exactly after the sink and j body units, or None when the
+    index lacks one: (body pages, first window page, window pages). The plan says where the body ends."""
+    sink, bs = plan.sink, plan.block_size
+    r = sink + j * bs
+    quantized_end = plan.quantized_end(r)
+    body_len = quantized_end - sink
+    body = []
+    for k in range(-(-body_len // bs)):
+        pages = matched[n_sink + k].pages.body
+        if pages is None:
+            return None
+        body.append(pages[layer])
+    window = []
+    for k in range(body_len // bs, j):
+        pu = matched[n_sink + k].pages
+        # the window reads positions from max(page start, quantized_end) on: the copy must hold them
+        if pu.fp is None or pu.fp_from > max(sink + k * bs, quantized_end):
+            return None
+        window.append(pu.fp[layer])
+    return body, body_len // bs, window
+
+
 def attach(cache: QuantizedCache, ids: Sequence[int], index: PrefixIndex) -> Hit:
     """Start an empty one-sequence cache at the longest cached prefix of `ids` it can resume from decode-
     exactly, leaving at least the last token to compute (see the module doc). Returns what was reused."""
@@ -449,8 +546,8 @@ def attach(cache: QuantizedCache, ids: Sequence[int], index: PrefixIndex) -> Hit
     first = layers[0]
     if first.is_initialized and first.length:
         raise ValueError(f"attach needs an empty cache; this one holds {first.length} tokens")
-    scheme, bs = cache.scheme, index.store.block_size
-    sink = scheme.sink
+    plans = _plans(layers, index.store)
+    sink, bs = plans[0].sink, plans[0].block_size
     ids = list(ids)
     tokens = unit_tokens(ids[: max(len(ids) - 1, 0)], sink, bs)
     matched = index.match(tokens)
@@ -461,20 +558,10 @@ def attach(cache: QuantizedCache, ids: Sequence[int], index: PrefixIndex) -> Hit
         r = sink + j * bs
         if r == 0:
             break
-        body_len = scheme.quantized_end(r) - sink
-        need_body = range(-(-body_len // bs))
-        need_fp = range(body_len // bs, j)
-        body_units = [matched[n_sink + i] for i in need_body]
-        fp_units = [matched[n_sink + i] for i in need_fp]
-        if any(u.pages.body is None for u in body_units) or any(u.pages.fp is None for u in fp_units):
+        picks = [_resume_pages(matched, plan, n_sink, j, i) for i, plan in enumerate(plans)]
+        if any(p is None for p in picks):
             continue
-        for i, layer in enumerate(layers):
-            layer.adopt_prefix(
-                r,
-                [matched[k].pages.fp[i] for k in range(n_sink)],
-                [u.pages.body[i] for u in body_units],
-                body_len // bs,
-                [u.pages.fp[i] for u in fp_units],
-            )
+        for i, (layer, (body, window_first, window)) in enumerate(zip(layers, picks, strict=True)):
+            layer.adopt_prefix(r, [matched[k].pages.fp[i] for k in range(n_sink)], body, window_first, window)
         return Hit(r, n_sink + j, len(matched))
     return Hit(0, 0, len(matched))

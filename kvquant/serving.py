@@ -9,6 +9,9 @@ runs requests, and a multi-turn `Session` on it.
 
 A request's prefill looks its prompt up in the prefix index (`kvquant.prefix.attach`), computes the rest,
 and registers its complete units (after every prefill chunk, and when it ends) so later requests reuse them.
+The engine records what it ran through each cache (token ids, where each forward ended): ids given to
+`close` or `register` must be the tokens the cache holds, and the forward ends tell the index which FP
+window copies are whole.
 The eviction policy (`kvquant.evict`) frees cached units when an allocation would exceed the budget, and
 trims running sequences after every forward (`sliding:W`). All requests run one at a time through the model
 (no batching); they hold pages concurrently, which is what the budget measures.
@@ -19,8 +22,9 @@ from __future__ import annotations
 import logging
 import numbers
 import time
+import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +57,26 @@ class Prefill:
     hit: Hit
     computed: int  # tokens run through the model
     seconds: float  # time to first token: lookup + adoption + forward(s)
+
+
+@dataclass
+class _Fed:
+    """What an engine ran through one cache: the token ids it holds and where each forward ended (an adopted
+    prefix counts as one forward). `covers` turns false when the cache moved outside the engine's forwards
+    (a model call of its own, `kvquant.prefix.attach`), which the engine then cannot vouch for."""
+
+    ids: list[int] = field(default_factory=list)
+    ends: list[int] = field(default_factory=list)
+    covers: bool = True
+
+    def ran(self, ids: Sequence[int], end: int) -> None:
+        """A forward ended at `end`; ids (a sequence whose first tokens are `self.ids`) hold its tokens."""
+        self.ids.extend(ids[len(self.ids) : end])
+        self.ends.append(end)
+
+
+def _first_difference(held: Sequence[int], ids: Sequence[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(held, ids, strict=False)) if a != b), None)
 
 
 def _is_int(x) -> bool:
@@ -123,6 +147,7 @@ class Engine:
         if self.index is not None:
             self.store.holders["prefix cache"] = self._index_bytes
         self._open = 0
+        self._fed: weakref.WeakKeyDictionary[QuantizedCache, _Fed] = weakref.WeakKeyDictionary()
 
     def _check_request(self, cache: QuantizedCache, ids: Sequence[int] = ()) -> None:
         """A cache opened by this engine (its pages live in this store) and token ids the model has."""
@@ -140,6 +165,52 @@ class Engine:
                     f"({len(bad)} such ids); encode the text with the model's tokenizer"
                 )
 
+    def _record(self, cache: QuantizedCache) -> _Fed:
+        """What this engine ran through `cache`; a fresh record for an empty cache, and one that no longer
+        covers it when the cache holds tokens the engine did not run."""
+        n = cache.get_seq_length()
+        fed = self._fed.get(cache)
+        if fed is None or n == 0:
+            fed = self._fed[cache] = _Fed()
+        if len(fed.ids) != n:
+            fed.covers = False
+        return fed
+
+    def _held_ids(self, cache: QuantizedCache, ids: Sequence[int], what: str) -> _Fed:
+        """The record of `cache`, once `ids` are checked to start with exactly the tokens it holds (more may
+        follow: a sampled token not fed yet). Refuses ids it cannot vouch for, naming lengths and position."""
+        fed = self._record(cache)
+        n = cache.get_seq_length()
+        if not fed.covers:
+            fix = "close it without ids (nothing is registered)" if what == "close" else "open a new request"
+            raise ValueError(
+                f"{what}: this cache holds {n} tokens, not all run by this engine (a forward outside "
+                "engine.prefill / engine.step, or kvquant.prefix.attach), so its ids cannot be checked; run "
+                f"every forward through the engine, or {fix}"
+            )
+        if len(ids) < n:
+            raise ValueError(
+                f"{what}: the cache holds {n} tokens but {len(ids)} ids were given; pass the ids of every "
+                "token it holds (and nothing else before them)"
+            )
+        at = _first_difference(fed.ids, ids)
+        if at is not None:
+            raise ValueError(
+                f"{what}: the ids differ from the {n} tokens the cache holds at position {at} (it holds "
+                f"{fed.ids[at]}, {len(ids)} ids give {ids[at]}); registering them would cache its pages "
+                "under the wrong tokens. Pass the tokens this request ran, in order"
+            )
+        return fed
+
+    def register(self, cache: QuantizedCache, ids: Sequence[int]) -> int:
+        """Index the complete units `cache` holds now (ids: the tokens it holds, checked); units added."""
+        self._check_request(cache)
+        if self.index is None:
+            return 0
+        ids = [int(t) for t in ids]
+        fed = self._held_ids(cache, ids, "register")
+        return register(cache, ids, self.index, forward_ends=fed.ends)
+
     def _evict(self, need_bytes: int) -> int:
         return self.policy.evict(self.index, need_bytes)
 
@@ -156,21 +227,31 @@ class Engine:
         """A new empty cache on the shared store, listed as a holder under `name`."""
         self._open += 1
         name = name or f"request {self._open}"
-        cache = QuantizedCache(self.scheme, self.model.config, store=self.store)
+        # the store's requested page size: a cache on it with another one would not fit its pools
+        block_size = self.store.plans[0].requested_block_size
+        cache = QuantizedCache(self.scheme, self.model.config, store=self.store, block_size=block_size)
         cache.name = name
         self.store.holders[name] = lambda: cache_bytes(self.store, cache)
         return cache
 
     def close(self, cache: QuantizedCache, ids: Sequence[int] | None = None) -> None:
-        """End a request: register its units (ids: the tokens it holds) and release its pages."""
-        if ids is not None and self.index is not None:
-            register(cache, ids, self.index)
+        """End a request: register its units (ids: the tokens it holds, in order; more may follow, such as
+        a sampled token not fed yet) and release its pages. Ids that do not match what the engine ran through
+        the cache are refused (ValueError) before anything is registered or released."""
+        self._check_request(cache)
+        if ids is not None:
+            ids = [int(t) for t in ids]
+            fed = self._held_ids(cache, ids, "close")
+            if self.index is not None:
+                register(cache, ids, self.index, forward_ends=fed.ends)
         cache.reset()
+        self._fed.pop(cache, None)
         self.store.holders.pop(getattr(cache, "name", None), None)
 
     def unit_boundary(self, tokens: int) -> int:
         """The largest position <= tokens where a cached prefix can end (sink + a whole number of pages)."""
-        sink, bs = self.scheme.sink, self.store.block_size
+        plan = self.store.plans[0]
+        sink, bs = plan.sink, plan.block_size
         return tokens if tokens <= sink else sink + (tokens - sink) // bs * bs
 
     @torch.no_grad()
@@ -183,14 +264,19 @@ class Engine:
         self._check_request(cache, ids)
         t0 = time.perf_counter()
         hit = Hit(0, 0, 0)
+        fed = self._record(cache)
         if self.index is not None and cache.get_seq_length() == 0:
             hit = attach(cache, ids, self.index)
+            if hit.reused:
+                fed.ran(ids, hit.reused)
         start = cache.get_seq_length()
         if start >= len(ids):
             raise ValueError(
                 f"the cache already holds {start} tokens of this {len(ids)}-token prompt; "
                 "a prompt must add at least one token"
             )
+        if start:  # a later turn: the prompt must begin with what the cache holds
+            self._held_ids(cache, ids, "prefill")
         cuts = sorted({self.unit_boundary(b) for b in boundaries if start < self.unit_boundary(b) < len(ids)})
         if self.prefill_chunk:
             cuts = sorted(set(cuts) | set(range(start + self.prefill_chunk, len(ids), self.prefill_chunk)))
@@ -199,14 +285,16 @@ class Engine:
             for lo, hi in zip([start, *cuts], [*cuts, len(ids)], strict=True):
                 x = torch.tensor([ids[lo:hi]], device=self.model.device)
                 out = self.model(x, cache=cache, logits_to_keep=1)
+                fed.ran(ids, hi)
                 if self.index is not None and hi < len(ids):
-                    register(cache, ids, self.index)
+                    register(cache, ids, self.index, forward_ends=fed.ends)
                 self.policy.on_step(cache)
         except BaseException:
             cache.reset()  # a forward cut short leaves layers at different lengths: release everything
+            self._fed.pop(cache, None)
             raise
         if self.index is not None:
-            register(cache, ids, self.index)
+            register(cache, ids, self.index, forward_ends=fed.ends)
         logits = out.logits[0, -1]
         return Prefill(logits, hit, len(ids) - start, time.perf_counter() - t0)
 
@@ -214,11 +302,16 @@ class Engine:
     def step(self, cache: QuantizedCache, token: int) -> torch.Tensor:
         """One decoding step: feed `token`, return the next token's logits (V,)."""
         self._check_request(cache, [int(token)])
+        fed = self._record(cache)
         try:
             out = self.model(torch.tensor([[int(token)]], device=self.model.device), cache=cache)
         except BaseException:
             cache.reset()
+            self._fed.pop(cache, None)
             raise
+        if fed.covers:
+            fed.ids.append(int(token))
+            fed.ends.append(len(fed.ids))
         self.policy.on_step(cache)
         return out.logits[0, -1]
 
@@ -248,8 +341,7 @@ class Session:
         while len(reply) < max_new_tokens and reply[-1] != eos_token_id:
             reply.append(int(self.engine.step(self.cache, reply[-1]).argmax()))
         self.ids += reply
-        if self.engine.index is not None:
-            register(self.cache, self.ids, self.engine.index)
+        self.engine.register(self.cache, self.ids)  # the last reply token is not fed yet: ids run one past
         return reply
 
     def close(self) -> None:

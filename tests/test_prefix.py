@@ -171,6 +171,24 @@ def test_register_and_attach_refuse_misuse(engines, model64):
         engines("int4-g32", prefix_cache="trie")
 
 
+def test_engine_pages_of_its_block_size(engines, model64):
+    """Engine(block_size=32): its caches take the store's page size (they used the default 16 and were
+    refused by the store's pools), and a hit reuses whole 32-token pages."""
+    engine = engines("int4-g32", prefix_cache="radix", block_size=32)
+    a = ids(70, 26)
+    ca = engine.open()
+    engine.prefill(ca, a)
+    assert ca.layers[0].block_size == 32
+    engine.close(ca, a)
+    cb = engine.open()
+    b = a[:50] + ids(3, 27)
+    pre = engine.prefill(cb, b)
+    assert pre.hit.reused == 32
+    _, ref = _reference(model64, b, 32, [], "int4-g32")
+    assert torch.equal(pre.logits, ref[0])
+    engine.close(cb)
+
+
 def test_store_refuses_another_scheme_or_model(model64):
     store = KVStore(model64.config, "int4-g32", dtype=torch.float64)
     with pytest.raises(ValueError, match="one store serves one scheme"):
