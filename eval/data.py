@@ -255,8 +255,10 @@ def probe_text_ids(tokenizer, corpus: str | Path, tokens: int, seed: int = 0):
     docs = load_corpus(corpus)
     order = list(range(len(docs)))
     random.Random(seed).shuffle(order)
+    import torch
+
     for i in reversed(order):
-        ids = tokenizer(docs[i].text, return_tensors="pt").input_ids
-        if ids.shape[1] >= tokens:
-            return ids[:, :tokens], docs[i].title
+        ids = tokenizer(docs[i].text)["input_ids"]  # any tokenizer: a list of ids
+        if len(ids) >= tokens:
+            return torch.tensor([ids[:tokens]], dtype=torch.long), docs[i].title
     raise ValueError(f"no document of {corpus!r} has {tokens} tokens; use a shorter probe")

@@ -227,18 +227,31 @@ def steps(length: int, mode: str, chunk: int, prefill: int | None = None, shift:
 
 
 def _tensor_bytes(obj, seen: set[int]) -> int:
-    """Bytes of every tensor reachable from obj's attributes (quanto's packed tensors included)."""
+    """Bytes of every tensor reachable from obj's attributes, tuples, lists and dict values (quanto's packed
+    tensors, HQQ's (codes, meta) pairs), each storage counted once."""
+    if isinstance(obj, torch.Tensor) and type(obj) is torch.Tensor or isinstance(obj, torch.nn.Parameter):
+        key = obj.untyped_storage().data_ptr() if obj.numel() else id(obj)
+        if key in seen:
+            return 0
+        seen.add(key)
+        return obj.untyped_storage().nbytes() if obj.numel() else 0
     if id(obj) in seen:
         return 0
     seen.add(id(obj))
-    if isinstance(obj, torch.Tensor) and type(obj) is torch.Tensor or isinstance(obj, torch.nn.Parameter):
-        return obj.nbytes
+    if isinstance(obj, (tuple, list)):
+        children = list(obj)
+    elif isinstance(obj, dict):
+        children = list(obj.values())
+    else:
+        attrs = vars(obj) if hasattr(obj, "__dict__") else {}
+        children = [v for k, v in attrs.items() if not k.startswith("__")]
     total = 0
-    attrs = vars(obj) if hasattr(obj, "__dict__") else {}
-    for name, v in attrs.items():
-        if name.startswith("__"):
-            continue
-        if isinstance(v, torch.Tensor) or hasattr(v, "__dict__") and type(v).__module__.startswith("optimum"):
+    for v in children:
+        if (
+            isinstance(v, (torch.Tensor, tuple, list, dict))
+            or hasattr(v, "__dict__")
+            and type(v).__module__.startswith(("optimum", "hqq"))
+        ):
             total += _tensor_bytes(v, seen)
     return total
 
