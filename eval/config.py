@@ -28,6 +28,9 @@ __all__ = [
     "RunConfig",
     "RunError",
     "RunInterrupted",
+    "RunIncomplete",
+    "Shard",
+    "parse_shard",
     "TASKS",
     "RETRIEVAL_TASKS",
     "DEFAULT_LENGTHS",
@@ -100,6 +103,55 @@ class RunInterrupted(KeyboardInterrupt):
         self.run_dir, self.progress = run_dir, progress
 
 
+class RunIncomplete(Exception):
+    """A run that wrote its report with points missing, not by an interruption: `--merge` before every shard
+    finished, or a torchrun rank that stopped early. The report and summary are written (marked partial)."""
+
+    def __init__(self, run_dir: Path, progress: Progress, why: str):
+        super().__init__(
+            f"{why}: {progress} measured in {run_dir}; the report is marked partial. Rerun the missing "
+            "shards, or the same command without --shard/--merge (any number of processes), to measure "
+            "the rest"
+        )
+        self.run_dir, self.progress = run_dir, progress
+
+
+@dataclass(frozen=True)
+class Shard:
+    """Shard `index` of `count` (0-based), of a job array (`--shard I/N`) or a torchrun rank of a world."""
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if not (_is_int(self.index) and _is_int(self.count)):
+            raise TypeError(f"Shard({self.index!r}, {self.count!r}): index and count are ints")
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise RunError(f"--shard {self.index}/{self.count}: use I/N with 0 <= I < N (N >= 1), e.g. 0/4")
+
+    def __str__(self) -> str:
+        return f"{self.index}/{self.count}"
+
+    @property
+    def tag(self) -> str:
+        """How its results file and lock are named: shard-I-of-N."""
+        return f"shard-{self.index}-of-{self.count}"
+
+    def part(self, items: list) -> list:
+        """This shard's contiguous part of `items` (sizes differ by at most one): deterministic, so
+        independent processes given the same list divide it without talking to each other."""
+        n = len(items)
+        return items[self.index * n // self.count : (self.index + 1) * n // self.count]
+
+
+def parse_shard(text: str) -> Shard:
+    """`I/N` -> Shard(I, N); the error names the form."""
+    m = re.fullmatch(r"\s*(\d+)\s*/\s*(\d+)\s*", str(text))
+    if not m:
+        raise RunError(f"--shard {text!r}: use I/N, shard I (0-based) of N, e.g. --shard 0/4 ... --shard 3/4")
+    return Shard(int(m[1]), int(m[2]))
+
+
 EXIT_USAGE = 2  # as argparse: bad arguments or inputs, found before any long work
 
 
@@ -169,6 +221,8 @@ class RunConfig:
     lengths: tuple[int, ...] | None = None  # retrieval: prompt lengths (None: DEFAULT_LENGTHS)
     depths: tuple[float, ...] | None = None  # retrieval: key depths in [0, 1] (None: DEFAULT_DEPTHS)
     trials: int | None = None  # retrieval: keys per (length, depth) (None: DEFAULT_TRIALS)
+    shard: Shard | None = None  # --shard I/N: this job-array task's part of the points; no report
+    merge: bool = False  # --merge: measure nothing; summary, report and plots from every shard's results
     extra: dict = field(default_factory=dict, compare=False)
     chunk_given: bool = field(init=False, default=True)  # False: --chunk was left to its default
 
@@ -183,6 +237,7 @@ class RunConfig:
         if self.chunk is None:
             object.__setattr__(self, "chunk", DEFAULT_CHUNK)
         self._check_task()
+        self._check_sharding()
         if self.mode not in MODE_CHOICES:
             raise RunError(f"unknown mode {self.mode!r}; known: {', '.join(MODE_CHOICES)}")
         if self.dtype not in DTYPE_NAMES:
@@ -215,6 +270,22 @@ class RunConfig:
             )
         if self.docs is not None and self.tokens is not None:
             raise RunError("give --docs or --tokens, not both")
+
+    def _check_sharding(self) -> None:
+        if self.shard is not None and not isinstance(self.shard, Shard):
+            raise TypeError(f"shard must be a Shard (parse_shard('0/2')), not {type(self.shard).__name__}")
+        if self.shard is None and not self.merge:
+            return
+        flag = "--merge" if self.merge else f"--shard {self.shard}"
+        if self.shard is not None and self.merge:
+            raise RunError("--merge writes the report from every shard: run it once, without --shard")
+        if self.is_retrieval:
+            raise RunError(f"{flag} applies to --task ppl (retrieval grids run in one process for now)")
+        if self.force:
+            raise RunError(
+                f"{flag} with --force: a shard would delete the other shards' results; start over once with "
+                "--force in one process (or a new --out), then run the shards"
+            )
 
     def _check_task(self) -> None:
         if self.task not in TASKS:
@@ -301,7 +372,8 @@ def check_inputs(config: RunConfig, *, check_model: bool = True) -> list:
 
 def check_fits(config: RunConfig, schemes, facts: ModelFacts) -> None:
     """What the model's config file says, before its weights are loaded: --max-length (or the retrieval
-    lengths) within its positions, per-layer schemes covering its layers, token groups it can fill."""
+    lengths) within its positions, per-layer schemes covering its layers, token groups it can fill, and
+    head_dim the schemes can cut (group sizes, engine formats' blocks)."""
     from kvquant.scheme import SchemeError
 
     longest = max(config.grid_lengths) if config.is_retrieval else config.max_length
@@ -320,6 +392,8 @@ def check_fits(config: RunConfig, schemes, facts: ModelFacts) -> None:
                 scheme.check_num_layers(facts.layers)
             if facts.positions is not None:
                 scheme.check_positions(facts.positions)
+            if facts.head_dim is not None:  # engine formats' block rules (ggml: k % 32 == 0), group sizes
+                scheme.check_head_dim(facts.head_dim)
         except SchemeError as e:
             raise RunError(f"scheme {scheme}: {e} ({facts.source})") from None
 
@@ -351,6 +425,11 @@ class ModelFacts:
     positions: int | None = None
     layers: int | None = None
     source: str = "unknown"
+    # the shape of the KV cache (engine formats' rules: kvquant.eval.recommend); None where unknown
+    head_dim: int | None = None
+    kv_heads: int | None = None
+    sliding_window: int | None = None  # set when some layers attend only to a window (hybrid models)
+    sliding_layers: tuple[int, ...] | None = None  # which ones, where the config says (layer_types)
 
 
 def model_facts(model: str | None) -> ModelFacts:
@@ -377,6 +456,7 @@ def model_facts(model: str | None) -> ModelFacts:
                 pos if _is_int(pos) else None,
                 layers if _is_int(layers) else None,
                 f"from {folder / 'config.json'}",
+                **_shape_facts(text),
             )
     except (OSError, ValueError, AttributeError):  # unreadable: the loader says why, later
         return ModelFacts()
@@ -386,8 +466,27 @@ def model_facts(model: str | None) -> ModelFacts:
 _GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
 
 
+def _shape_facts(text: dict) -> dict:
+    """head_dim, kv_heads and sliding layers of a transformers text config (a dict)."""
+    heads = text.get("num_attention_heads")
+    kv = text.get("num_key_value_heads") or heads
+    head_dim = text.get("head_dim")
+    if not _is_int(head_dim) and _is_int(text.get("hidden_size")) and _is_int(heads) and heads:
+        head_dim = text["hidden_size"] // heads
+    window = text.get("sliding_window")
+    types = text.get("layer_types")
+    sliding = None
+    if isinstance(types, list):
+        sliding = tuple(i for i, k in enumerate(types) if k == "sliding_attention")
+    if not _is_int(window) or sliding == ():
+        window, sliding = None, (() if sliding is not None else None)
+    return {"head_dim": head_dim if _is_int(head_dim) else None, "kv_heads": kv if _is_int(kv) else None,
+            "sliding_window": window, "sliding_layers": sliding}
+
+
 def _gguf_facts(path: Path) -> ModelFacts:
-    """Read GGUF key/values until the architecture's context length and block count are known."""
+    """Read GGUF key/values until the architecture's context length and block count (and, when the header has
+    them before its end, the attention shape) are known."""
     import struct
 
     def read(f, fmt):
@@ -428,9 +527,29 @@ def _gguf_facts(path: Path) -> ModelFacts:
             if isinstance(arch, bytes):
                 arch = arch.decode()
                 pos, layers = found.get(f"{arch}.context_length"), found.get(f"{arch}.block_count")
-                if pos is not None and layers is not None:
-                    return ModelFacts(int(pos), int(layers), f"from {path.name}")
-    return ModelFacts()
+                shape = (f"{arch}.attention.head_count_kv", f"{arch}.attention.key_length")
+                if pos is not None and layers is not None and all(k in found for k in shape):
+                    break
+    arch = found.get("general.architecture")
+    if not isinstance(arch, bytes):
+        return ModelFacts()
+    arch = arch.decode()
+    pos, layers = found.get(f"{arch}.context_length"), found.get(f"{arch}.block_count")
+    if pos is None or layers is None:
+        return ModelFacts()
+    att = f"{arch}.attention."
+    heads, width = found.get(att + "head_count"), found.get(f"{arch}.embedding_length")
+    head_dim = found.get(att + "key_length")
+    if head_dim is None and _is_int(heads) and _is_int(width) and heads:
+        head_dim = width // heads
+    kv = found.get(att + "head_count_kv", heads)
+    window = found.get(att + "sliding_window")
+    return ModelFacts(
+        int(pos), int(layers), f"from {path.name}",
+        head_dim=int(head_dim) if _is_int(head_dim) else None,
+        kv_heads=int(kv) if _is_int(kv) else None,
+        sliding_window=int(window) if _is_int(window) and window > 0 else None,
+    )
 
 
 def resolve_schemes(names) -> list:
@@ -579,10 +698,15 @@ def check_out(out: str | None, force: bool) -> None:
         _check_creatable(path)
     if path.exists() and not path.is_dir():
         raise RunError(f"--out {out} is a file; name a folder for the run directory")
-    if path.is_dir() and not force and any(path.iterdir()) and not (path / "config.json").is_file():
-        raise RunError(
-            f"{out} exists and is not a kvquant run directory; pass --force or choose another --out"
-        )
+    if path.is_dir() and not force and not (path / "config.json").is_file():
+        from .results import foreign_files  # no torch
+
+        # only what kvquant writes (a lock file, a shard's results while torchrun's rank 0 claims the folder)
+        # is a run directory in the making
+        if foreign_files(path):
+            raise RunError(
+                f"{out} exists and is not a kvquant run directory; pass --force or choose another --out"
+            )
 
 
 def _check_creatable(path: Path) -> None:

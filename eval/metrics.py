@@ -28,6 +28,8 @@ __all__ = [
     "METRICS",
     "BY_NAME",
     "ROW_SUMS",
+    "MEMORY_FIELDS",
+    "MEMORY_METRICS",
     "KEY_COLUMNS",
     "SUMMARY_COLUMNS",
     "TEXT_COLUMNS",
@@ -47,6 +49,15 @@ __all__ = [
 
 # results.jsonl fields that are sums over a (document, bucket)'s tokens: summing them over documents is exact
 ROW_SUMS = ("nll_sum", "ref_nll_sum", "tokens", "kl_sum", "top1", "dp_sum", "dp_sq_sum")
+# results.jsonl fields of a document's last bucket, at the end of the document, in bytes at the run dtype
+# (beside `cache_bytes`, the pages `nbytes()` counts, over `cache_tokens`):
+#   cache_reserved  the pools' reserve, `cache.reserved_bytes()` (kvquant's caches only)
+#   mem_held        measured on the device: what dropping the cache gave back (CUDA: memory_allocated
+#                   before minus after; CPU: resident set size, after gc + malloc_trim, before minus after)
+#   mem_peak        measured on the device: the highest of the document's forwards through this cache, above
+#                   where that forward started (CUDA: max_memory_allocated, reset per forward; CPU: VmHWM)
+# `mem_probe` (a string) says how they were read. Measured values differ between two runs of one point.
+MEMORY_FIELDS = ("cache_reserved", "mem_held", "mem_peak", "mem_probe")
 
 Totals = Mapping[str, float]  # ROW_SUMS summed over the documents of a bucket
 Tokens = Mapping[str, "object"]  # per-token numpy arrays (measure.TOKEN_FIELDS), pooled over documents
@@ -186,7 +197,7 @@ METRICS: tuple[Metric, ...] = (
     # per scheme (the `all` row): bytes
     Metric(
         "bytes_per_token_measured",
-        "B/token run",
+        "B/token pages",
         "cache.nbytes() / tokens at the end of the document, at the run dtype (the formula's check)",
         direction="lower",
         fmt=",.0f",
@@ -206,6 +217,42 @@ METRICS: tuple[Metric, ...] = (
         "steady-state bytes per token at the storage dtype",
         direction="lower",
         fmt=",.0f",
+        scope="run",
+    ),
+    # memory as the process sees it (issue 20), at the run dtype, beside the formula and the pages
+    Metric(
+        "bytes_per_token_formula_run",
+        "B/token formula",
+        "kvquant.memory.cache_bytes (the scheme's held_bytes) after the full length / tokens, run dtype",
+        direction="lower",
+        fmt=",.0f",
+        scope="run",
+    ),
+    Metric(
+        "bytes_per_token_reserved",
+        "B/token reserved",
+        "cache.reserved_bytes() / tokens at the end of the document, at the run dtype: the pools, pages "
+        "held plus their bounded growth reserve (kvquant's caches only)",
+        direction="lower",
+        fmt=",.0f",
+        scope="run",
+    ),
+    Metric(
+        "mem_held_per_token",
+        "B/token measured",
+        "measured on the device: memory the cache alone held at the end of the document / tokens (dropping "
+        "it gave this back: CUDA memory_allocated, CPU resident set after malloc_trim)",
+        direction="lower",
+        fmt=",.0f",
+        scope="run",
+    ),
+    Metric(
+        "mem_peak",
+        "forward peak MiB",
+        "measured on the device: the highest one forward through this cache rose above its start (CUDA "
+        "max_memory_allocated, CPU VmHWM): activations, attention temporaries and the cache's growth",
+        direction="lower",
+        fmt="MiB",
         scope="run",
     ),
     Metric(
@@ -258,6 +305,9 @@ BY_NAME: dict[str, Metric] = {m.name: m for m in (*METRICS, *RETRIEVAL_METRICS)}
 BUCKET_METRICS = tuple(m for m in METRICS if m.scope == "bucket")
 RUN_METRICS = tuple(m for m in METRICS if m.scope == "run")
 DISTRIBUTION_METRICS = tuple(m for m in METRICS if m.from_tokens is not None)
+MEMORY_METRICS = tuple(BY_NAME[n] for n in (  # the report's memory table, in this order
+    "bytes_per_token_formula_run", "bytes_per_token_measured", "bytes_per_token_reserved",
+    "mem_held_per_token", "mem_peak"))
 INTERVAL_METRICS = tuple(m for m in METRICS if m.interval)
 KEY_COLUMNS = ("scheme", "mode", "bucket", "bucket_start", "bucket_end", "docs")
 TEXT_COLUMNS = ("scheme", "mode", "bucket", "status")
@@ -299,6 +349,8 @@ def format_value(name: str, x, *, sign_minus: bool = True) -> str:
     x = float(x)
     if m.fmt == "%":
         text = f"{100 * x:+.2f}%"
+    elif m.fmt == "MiB":  # bytes shown in MiB
+        text = f"{x / 2**20:,.2f}"
     elif m.fmt.endswith("d"):
         text = format(int(round(x)), m.fmt)
     else:

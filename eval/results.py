@@ -4,7 +4,13 @@ report.md and plots. Summaries are recomputed from results.jsonl, so a resumed r
 What keeps a run directory sound (shared by `runner`, `retrieval` and `serve`):
 - `RunLock`: an advisory lock (fcntl.flock) on `.kvquant.lock` in the directory, held for the run's life; a
   second process into the same directory is refused at once, naming the holder's pid. A killed holder's lock
-  is released by the kernel, so a stale lock file never blocks.
+  is released by the kernel, so a stale lock file never blocks. The writers of one sharded run (torchrun
+  ranks, `--shard I/N` job-array tasks) hold it shared, each with an exclusive lock on its own
+  `.kvquant.shard-I-of-N.lock`: they run side by side, the same shard twice is refused, and a one-process
+  run (or `--merge`, `--force`) is refused while any shard writes, and holds everyone else off while it does.
+- each writer appends to its own results file: `results.jsonl` (one process) or `results.shard-I-of-N.jsonl`
+  (a shard); `RunResults` reads every results file of the directory as one (a point written in two files
+  counts once), so a run resumed at another world size measures only what no file holds.
 - every results.jsonl line carries `_sha`, a digest of the canonical JSON of the rest of its row: a line torn
   by a kill, a foreign line (`null`, `42`, `{}`) or an edited row is ignored on reading, with one warning,
   and its point is measured again; a line appended after a torn one starts on a line of its own. Rows
@@ -42,6 +48,10 @@ __all__ = [
     "OWN_FILES",
     "RunDirError",
     "RunLock",
+    "RunResults",
+    "results_files",
+    "results_name",
+    "shard_tag",
     "clear_run_dir",
     "foreign_files",
     "interrupt_on_sigterm",
@@ -56,6 +66,7 @@ __all__ = [
     "write_summary",
     "markdown_table",
     "known_shapes_table",
+    "memory_table",
     "PlotInfo",
     "plot_bytes",
     "plot_drift",
@@ -86,7 +97,10 @@ OWN_FILES = frozenset(
         "summary.tmp",
     }
 )
-OWN_PATTERNS = ("heatmap-*.png",)  # retrieval's heatmaps
+SHARD_RESULTS = "results.shard-*-of-*.jsonl"  # one results file per shard of a sharded run
+SHARD_LOCKS = ".kvquant.shard-*-of-*.lock"  # each shard's own lock
+# retrieval's heatmaps; the shards' results and locks; config.json written by a shard (per-pid temporary)
+OWN_PATTERNS = ("heatmap-*.png", SHARD_RESULTS, SHARD_LOCKS, ".config.*.tmp")
 # per-token values; W&B's files (it writes under dir=<run_dir>)
 OWN_DIRS = MappingProxyType({"tokens": ("*.npz",), "wandb": ("*",)})
 CHECK_FIELD = "_sha"  # each results.jsonl row's digest of the rest of it
@@ -148,8 +162,8 @@ def clear_run_dir(run_dir: Path) -> list[str]:
         )
     removed = []
     for entry in sorted(run_dir.iterdir()):
-        if entry.name == LOCK_NAME:
-            continue
+        if entry.name == LOCK_NAME or fnmatch.fnmatch(entry.name, SHARD_LOCKS):
+            continue  # held, or to be locked by another process: a lock file is never removed
         if entry.is_dir() and not entry.is_symlink():
             shutil.rmtree(entry)
         else:
@@ -158,15 +172,32 @@ def clear_run_dir(run_dir: Path) -> list[str]:
     return removed
 
 
-class RunLock:
-    """An advisory lock on `<run_dir>/.kvquant.lock` (fcntl.flock, exclusive, non-blocking), held from
-    `acquire()` to `release()` (or as a context manager). The file holds the holder's pid, host, start and
-    command line, which a refused process names. The kernel drops the lock when its holder dies, even by
-    kill -9; the file stays (removing it would let two processes lock two different files)."""
+def shard_tag(index: int, count: int) -> str:
+    """`shard-I-of-N`: how a shard's results file and lock are named."""
+    return f"shard-{index}-of-{count}"
 
-    def __init__(self, run_dir: Path):
-        self.path = Path(run_dir) / LOCK_NAME
+
+class RunLock:
+    """An advisory lock on `<run_dir>/.kvquant.lock` (fcntl.flock, non-blocking), held from `acquire()` to
+    `release()` (or as a context manager).
+
+    shard=None: exclusive, the only writer of the directory. shard="shard-I-of-N" (`shard_tag`): shared with
+    the other shards of the run, plus an exclusive lock on `.kvquant.shard-I-of-N.lock`: shards run side by
+    side, the same shard twice is refused, and an exclusive holder refuses (and is refused by) every shard.
+    `share(shard)` turns a held exclusive lock into a shard's (torchrun's rank 0 claims the directory
+    exclusively, then shares it with its other ranks). The lock files hold their holder's pid, host, start and
+    command line, which a refused process names. The kernel drops a lock when its holder dies, even by
+    kill -9; the files stay (removing one would let two processes lock two different files)."""
+
+    def __init__(self, run_dir: Path, shard: str | None = None):
+        self.run_dir = Path(run_dir)
+        self.path = self.run_dir / LOCK_NAME
+        self.shard = shard
         self._fd: int | None = None
+        self._shard_fd: int | None = None
+
+    def shard_path(self, shard: str) -> Path:
+        return self.run_dir / f".kvquant.{shard}.lock"
 
     def acquire(self) -> RunLock:
         try:
@@ -176,15 +207,59 @@ class RunLock:
             return self
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.shard else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+        except OSError:
+            holder = self._holders(fd)
+            os.close(fd)
+            raise self._refusal(holder) from None
+        self._fd = fd
+        if self.shard is None:
+            self._write_info(fd)
+            return self
+        try:
+            self._lock_shard(self.shard)
+        except BaseException:
+            self.release()
+            raise
+        return self
+
+    def share(self, shard: str) -> RunLock:
+        """Turn the held exclusive lock into shard `shard`'s: its own lock first, then the directory's
+        shared."""
+        import fcntl
+
+        if self._fd is None or self.shard is not None:
+            raise RuntimeError("RunLock.share: hold the exclusive lock first")
+        self._lock_shard(shard)
+        fcntl.flock(self._fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        self.shard = shard
+        return self
+
+    def _lock_shard(self, shard: str) -> None:
+        import fcntl
+
+        fd = os.open(self.shard_path(shard), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             holder = self._holder(fd)
             os.close(fd)
             raise RunDirError(
-                f"{self.path.parent} is in use by another kvquant process ({holder}); wait for it to "
-                "finish or stop it, then rerun to resume (its measured points are kept), or pass another "
-                "--out to run beside it"
+                f"{self.run_dir}: {shard} is already being measured by another process ({holder}); each "
+                "shard runs once at a time: wait for it, or stop it and rerun to resume"
             ) from None
+        self._write_info(fd)
+        self._shard_fd = fd
+
+    def _refusal(self, holder: str) -> RunDirError:
+        return RunDirError(
+            f"{self.path.parent} is in use by another kvquant process ({holder}); wait for it to "
+            "finish or stop it, then rerun to resume (its measured points are kept), or pass another "
+            "--out to run beside it"
+        )
+
+    @staticmethod
+    def _write_info(fd: int) -> None:
         info = {
             "pid": os.getpid(),
             "host": socket.gethostname(),
@@ -193,8 +268,45 @@ class RunLock:
         }
         os.ftruncate(fd, 0)
         os.pwrite(fd, (json.dumps(info) + "\n").encode(), 0)
-        self._fd = fd
-        return self
+
+    def shards_held(self) -> list[str]:
+        """The shards whose lock another process holds now (tags, e.g. `shard-1-of-2`), by trying each."""
+        import fcntl
+
+        held = []
+        for path in sorted(self.run_dir.glob(SHARD_LOCKS)):
+            tag = path.name.removeprefix(".kvquant.").removesuffix(".lock")
+            if tag == self.shard:
+                continue
+            try:
+                fd = os.open(path, os.O_RDWR)
+            except OSError:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_UN)
+            except OSError:
+                held.append(tag)
+            finally:
+                os.close(fd)
+        return held
+
+    def _holders(self, fd: int) -> str:
+        """Who holds the directory: the shards running in it, else the exclusive holder."""
+        shards = self.shards_held()
+        if shards:
+            infos = []
+            for tag in shards:
+                try:
+                    sfd = os.open(self.shard_path(tag), os.O_RDONLY)
+                except OSError:
+                    continue
+                try:
+                    infos.append(f"{tag}: {self._holder(sfd)}")
+                finally:
+                    os.close(sfd)
+            return "the shards of a sharded run: " + "; ".join(infos)
+        return self._holder(fd)
 
     @staticmethod
     def _holder(fd: int) -> str:
@@ -204,7 +316,18 @@ class RunLock:
         except (OSError, ValueError, KeyError, TypeError):
             return "pid unknown: it has just started"
 
+    def release_shard(self) -> None:
+        """Drop this shard's own lock (its part is done) and keep the directory's shared lock."""
+        if self._shard_fd is None:
+            return
+        import fcntl
+
+        fcntl.flock(self._shard_fd, fcntl.LOCK_UN)
+        os.close(self._shard_fd)
+        self._shard_fd = None
+
     def release(self) -> None:
+        self.release_shard()
         if self._fd is None:
             return
         import fcntl
@@ -369,6 +492,74 @@ class ResultsFile:
             self._done.add(self.key(row))
 
 
+RESULTS_NAME = "results.jsonl"
+
+
+def results_name(shard: str | None = None) -> str:
+    """The results file a writer appends to: results.jsonl, or results.shard-I-of-N.jsonl for a shard."""
+    return RESULTS_NAME if shard is None else f"results.{shard}.jsonl"
+
+
+def results_files(run_dir: Path) -> list[Path]:
+    """Every results file of a run directory: results.jsonl first, then the shards' in name order."""
+    run_dir = Path(run_dir)
+    shards = sorted(p for p in run_dir.glob(SHARD_RESULTS) if p.is_file())
+    return [p for p in [run_dir / RESULTS_NAME, *shards] if p.is_file()] or [run_dir / RESULTS_NAME]
+
+
+MEASURED_ONLY = frozenset(metrics.MEMORY_FIELDS)  # fields that differ between two measurements of one point
+
+
+class RunResults:
+    """All results files of a run directory read as one (`results_files`), appending to the writer's own.
+
+    `rows`, `has` and `append` behave as one `ResultsFile` holding every file's rows: a point found in an
+    earlier file counts, later copies of it are dropped (a conflict in anything but the measured memory
+    fields is logged), and `append` never writes a point any file holds."""
+
+    def __init__(self, run_dir: Path, shard: str | None = None):
+        run_dir = Path(run_dir)
+        self.own = ResultsFile(run_dir / results_name(shard))
+        self.path = self.own.path
+        self.rows: list[dict] = []
+        self._first: dict[tuple, dict] = {}  # dedup key -> the row that counts
+        self._done: set[tuple] = set()
+        conflicts = []
+        for path in results_files(run_dir):
+            rows = self.own.rows if path == self.own.path else read_rows(
+                path, ResultsFile._dedup_key, _KEY_TYPES)[0]
+            for r in rows:
+                k = ResultsFile._dedup_key(r)
+                if k in self._first:
+                    if _without(self._first[k], MEASURED_ONLY) != _without(r, MEASURED_ONLY):
+                        conflicts.append(f"{path.name}: {k}")
+                    continue
+                self._add(r)
+        if conflicts:
+            logger.warning("%s: %d point(s) written twice with different numbers, the first kept (%s)",
+                           run_dir, len(conflicts), _listing(conflicts, 5))
+
+    def _add(self, row: dict) -> None:
+        self.rows.append(row)
+        self._first[ResultsFile._dedup_key(row)] = row
+        if row.get("status") == "ok":
+            self._done.add(ResultsFile.key(row))
+
+    def has(self, scheme: str, mode: str, doc: int, bucket: str) -> bool:
+        return (scheme, mode, doc, bucket) in self._done
+
+    def append(self, row: dict) -> None:
+        row = {k: v for k, v in row.items() if k != CHECK_FIELD}
+        if ResultsFile._dedup_key(row) in self._first:
+            return
+        self.own.append(row)
+        self._add(row)
+
+
+def _without(row: Mapping, keys) -> dict:
+    return {k: v for k, v in row.items() if k not in keys}
+
+
 @dataclass(frozen=True)
 class Memory:
     """A scheme's bytes at the storage dtype (--kv-dtype): steady state per token, and held after n tokens
@@ -377,6 +568,7 @@ class Memory:
     formula: float
     held: Callable[[int], float]
     values_per_token: int
+    held_run: Callable[[int], float] | None = None  # held after n tokens at the run dtype (beside nbytes())
 
 
 class TokenStore:
@@ -503,7 +695,10 @@ def summarize(
             row["bytes_per_token_measured"] = (
                 sum(measured) / len(measured) if measured and mode != "fake" else math.nan
             )
+            _memory_columns(row, last, mode)
             n = max(int(be), 1)
+            row["bytes_per_token_formula_run"] = (
+                mem.held_run(n) / n if mem and mem.held_run and mode != "fake" else math.nan)
             row["bytes_per_token"] = mem.held(n) / n if mem else math.nan
             held_ref = ref_mem.held(n) if ref_mem else math.nan
             row["saving"] = held_ref / mem.held(n) if mem and mem.held(n) else math.nan
@@ -511,6 +706,21 @@ def summarize(
             out.append(row)
     _noise(out)
     return out
+
+
+def _memory_columns(row: dict, last: list[dict], mode: str) -> None:
+    """The measured memory of a summary row from its documents' last-bucket rows (`metrics.MEMORY_FIELDS`):
+    reserve and held bytes per token averaged over documents, the highest forward peak; nan where none was
+    measured (fake mode holds no cache of its own: its K/V are plain tensors)."""
+    def per_token(field: str) -> float:
+        vals = [r[field] / r["cache_tokens"] for r in last
+                if r.get(field) is not None and r.get("cache_tokens")]
+        return sum(vals) / len(vals) if vals and mode != "fake" else math.nan
+
+    row["bytes_per_token_reserved"] = per_token("cache_reserved")
+    row["mem_held_per_token"] = per_token("mem_held")
+    peaks = [r["mem_peak"] for r in last if r.get("mem_peak") is not None]
+    row["mem_peak"] = float(max(peaks)) if peaks else math.nan
 
 
 def _noise(out: list[dict]) -> None:
@@ -609,6 +819,62 @@ def markdown_table(
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out)
+
+
+def memory_table(summary: list[dict], names: Mapping[str, str] | None = None, probe: str | None = None,
+                 dtype: str = "float32") -> str:
+    """Per mode, the four views of a cache's memory side by side, at the run dtype, per token at the end of
+    the document: the formula, the pages held (`nbytes()`), the pools (`reserved_bytes()`), and what the
+    device gave back when the cache was dropped; then the highest forward's peak. `probe`: how memory was
+    read."""
+    names = names or {}
+    cols = [m.name for m in metrics.MEMORY_METRICS]
+    out = []
+    for mode in _shown_modes(summary):
+        rows = [r for r in summary if r["mode"] == mode and r["bucket"] == "all" and r.get("status") == "ok"]
+        if not rows or not any(_finite_num(r.get(c)) for r in rows for c in cols):
+            continue
+        head = ["scheme", *(metrics.metric(c).title for c in cols), "measured / formula"]
+        out += [f"**mode: {mode}** — memory at {dtype} (the run dtype), per token at the end of the document",
+                "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        for r in rows:
+            cells = [f"`{names.get(r['scheme'], r['scheme'])}`"]
+            cells += [metrics.format_value(c, r.get(c)) for c in cols]
+            held, formula = _num(r.get("mem_held_per_token")), _num(r.get("bytes_per_token_formula_run"))
+            cells.append(f"{held / formula:.2f}x" if math.isfinite(held) and formula else "–")
+            out.append("| " + " | ".join(cells) + " |")
+        out.append("")
+    if not out:
+        return ""
+    how = f" Measured with {probe}." if probe else ""
+    return "\n".join([
+        "**Memory: the formula, the pages, the pools, and what the device held**" + how,
+        "",
+        "- formula: `kvquant.memory.cache_bytes` (a peer's own held-bytes formula), whole pages counted; "
+        "pages: `cache.nbytes()`, what the cache's pages (and FP sink/window tokens) hold; reserved: "
+        "`cache.reserved_bytes()`, the pools the cache allocated (pages plus their bounded growth reserve); "
+        "measured: the device memory the cache alone gave back when dropped at the end of the document "
+        "(CUDA: `torch.cuda.memory_allocated`; CPU: resident set size after gc and `malloc_trim`); forward "
+        "peak: the "
+        "highest one forward through the cache rose above its start (CUDA: `max_memory_allocated`, reset per "
+        "forward; CPU: `VmHWM`).",
+        "- When they differ, and why: reserved above pages is the pools' growth reserve (bounded, stated by "
+        "`kvquant.plan`); measured above reserved is allocator rounding (CUDA 512-byte blocks) or, on the "
+        "CPU, "
+        "malloc fragments that `malloc_trim` cannot return (small caches read noisily: a page is 4 KiB, a "
+        "huge page 2 MiB); measured below reserved means pool pages never written (`torch.empty` is not "
+        "resident until touched). The CUDA caching allocator keeps freed blocks reserved (what `nvidia-smi` "
+        "shows), which none of these columns count. The forward peak is activations and attention "
+        "temporaries (a dequantized block; the LM head runs after it, so logits are not counted) on top "
+        "of the cache's growth in that forward; it is not the cache. The reference read from the reference "
+        "cache is not run, so not measured (`--no-reference-cache` measures it).",
+        "",
+        *out,
+    ])
+
+
+def _finite_num(v) -> bool:
+    return math.isfinite(_num(v))
 
 
 DISTRIBUTION_COLUMNS = ("kl", "kl_median", "kl_p90", "kl_p99", "kl_p999", "kl_max", "dp_mean", "dp_rms",

@@ -8,15 +8,18 @@ torch and transformers.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import importlib.metadata
 import json
 import logging
 import math
+import os
 import random
 import subprocess
 import time
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -34,7 +37,9 @@ from .config import (
     Progress,
     RunConfig,
     RunError,
+    RunIncomplete,
     RunInterrupted,
+    Shard,
     check_inputs,
     resolve_schemes,
 )
@@ -56,6 +61,7 @@ __all__ = [
     "RunConfig",
     "RunError",
     "RunInterrupted",
+    "RunIncomplete",
     "Progress",
     "run",
     "resolve_schemes",
@@ -156,14 +162,16 @@ def run_dir_for(config: RunConfig, identity: dict) -> Path:
     return Path("runs") / name
 
 
-def _load_model(config: RunConfig, model=None, tokenizer=None):
+def _load_model(config: RunConfig, model=None, tokenizer=None, device: str | None = None):
     if model is not None:
         if tokenizer is None:
             raise RunError("a model object needs its tokenizer")
         name = getattr(model.config, "_name_or_path", "") or type(model).__name__
         return model, tokenizer, name
     try:
-        model, tokenizer = kvquant.load_model(config.model, dtype=DTYPES[config.dtype], device=config.device)
+        model, tokenizer = kvquant.load_model(
+            config.model, dtype=DTYPES[config.dtype], device=device or config.device
+        )
     except (OSError, ValueError) as e:  # a folder whose files transformers cannot read
         raise RunError(f"cannot load model {config.model or '(default)'}: {e}") from None
     name = config.model or "smollm2-135m-instruct (embedded default)"
@@ -234,7 +242,12 @@ def stored_identity(config_json: dict, ignore: tuple[str, ...] = ()) -> dict:
 
 
 def _prepare_dir(
-    run_dir: Path, config_json: dict, identity: dict, force: bool, ignore: tuple[str, ...] = ()
+    run_dir: Path,
+    config_json: dict,
+    identity: dict,
+    force: bool,
+    ignore: tuple[str, ...] = (),
+    shard: str | None = None,
 ) -> res.RunLock:
     """Lock `run_dir` for this run and resume a run of the same configuration there; refuse another one, or
     a folder that is not a run, unless force, which starts over (also over a run of the same configuration)
@@ -243,7 +256,8 @@ def _prepare_dir(
     the same directory is refused here, naming the holder's pid. On resume config_json keeps the run's first
     commit and creation time, and lists in `resumed_git_commits` any other commit that resumed it (the
     report prints both). `ignore`: keys of a stored identity that no longer belong to it (a retrieval grid,
-    which a run may grow)."""
+    which a run may grow). shard: a shard's tag (`Shard.tag`): the lock is shared with the run's other shards
+    (`res.RunLock`), and config.json is written as any of them may (each through its own temporary)."""
     cfg_path = run_dir / "config.json"
     if run_dir.exists() and not run_dir.is_dir():
         raise RunError(f"--out {run_dir} is a file; name a folder for the run directory")
@@ -256,7 +270,7 @@ def _prepare_dir(
         )
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        lock = res.RunLock(run_dir).acquire()
+        lock = res.RunLock(run_dir, shard).acquire()
     except res.RunDirError as e:
         raise RunError(str(e)) from None
     except OSError as e:
@@ -306,7 +320,7 @@ def _claim_dir(run_dir: Path, cfg_path: Path, config_json: dict, identity: dict,
 
 
 def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_suffix(".tmp")
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")  # per process: the shards of a run may race
     tmp.write_text(json.dumps(data, indent=2, default=str))
     tmp.replace(path)
 
@@ -418,13 +432,26 @@ def _config_json(
     }
 
 
-def _warn_key_offsets(model, schemes) -> None:
-    """Once per scheme: a warning (with a recommended scheme) when it quantizes keys per token although this
-    model's keys carry large per-channel offsets (`kvquant.diagnose`; one 256-token probe, only if a scheme
-    is at risk)."""
-    from kvquant.diagnose import OffsetWarner
+def _warn_key_offsets(model, schemes, tokenizer=None, corpus=None) -> None:
+    """Once per scheme: a warning (with a recommended scheme) when its key specs are predicted to collapse on
+    this model's per-channel key offsets (`kvquant.diagnose.OffsetWarner`). The probe is the text
+    `experiments/diagnose.py` reads (`data.probe_text_ids`, PROBE_TOKENS tokens of the corpus), so the two
+    recommend the same scheme; it runs only if a scheme's keys are at risk."""
+    from kvquant.diagnose import PROBE_TOKENS, OffsetWarner
 
-    warner = OffsetWarner()
+    from .data import probe_text_ids
+
+    def probe():
+        if tokenizer is not None and corpus is not None:
+            try:
+                return probe_text_ids(tokenizer, corpus, PROBE_TOKENS)[0]
+            except ValueError as e:
+                logger.info("key-offset probe: %s; probing random token ids instead", e)
+        from kvquant.diagnose import probe_ids
+
+        return probe_ids(model.config)
+
+    warner = OffsetWarner(probe=probe)
     for s in schemes:
         scheme = getattr(s, "scheme", None)
         if isinstance(scheme, kvquant.Scheme):
@@ -437,18 +464,30 @@ def run(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[di
     Raises RunError for bad input, before any long work, and when another process holds the run directory
     (`results.RunLock`, held until the run ends). On Ctrl-C or SIGTERM, everything measured is written
     (results.jsonl, summary.csv, report.md and plots, the last two marked partial) and RunInterrupted
-    (a KeyboardInterrupt) is raised. --task passkey|needle runs `retrieval.run_retrieval` instead."""
+    (a KeyboardInterrupt) is raised. --task passkey|needle runs `retrieval.run_retrieval` instead.
+
+    Sharded (docs/scale.md): under torchrun (WORLD_SIZE > 1) each rank measures its part of the points
+    still missing, on `cuda:LOCAL_RANK` (or the CPU), into its own results file, and rank 0 writes the
+    summary, report and plots once every rank is done (the other ranks return no summary). With
+    `config.shard` (--shard I/N, a job array) the process measures shard I's part of every point, skips what
+    any results file holds, and writes no report; `config.merge` (--merge) measures nothing and writes the
+    report from every shard's results. A report with points missing raises RunIncomplete after writing."""
+    role = _role(config)
     if config.is_retrieval:
+        if role.shard is not None:
+            raise RunError("torchrun ranks apply to --task ppl (retrieval grids run in one process for now)")
         from .retrieval import run_retrieval
 
         return run_retrieval(config, model=model, tokenizer=tokenizer)
     schemes = check_inputs(config, check_model=model is None)
+    device = _rank_device(config.device, role)
     if model is None:
-        check_device(config.device)
+        check_device(device)
     docs = _load_documents(config)
-    model, tokenizer, model_name = _load_model(config, model, tokenizer)
+    model, tokenizer, model_name = _load_model(config, model, tokenizer, device)
     shape = _check_model_fits(config, model, schemes)
-    _warn_key_offsets(model, schemes)
+    if not config.merge:  # a merge runs no forward
+        _warn_key_offsets(model, schemes, tokenizer, config.corpus)
     doc_ids, doc_tokens, titles = _select_documents(config, docs, tokenizer)
     identity = _identity(config, [scheme_label(s) for s in schemes], doc_ids, model_name, schemes)
     run_dir = run_dir_for(config, identity)
@@ -457,33 +496,248 @@ def run(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[di
         {"id": i, "title": t, "tokens": len(doc_tokens[i])} for i, t in zip(doc_ids, titles, strict=True)
     ]
     config_json = _config_json(config, identity, schemes, model_name, buckets, documents, shape)
-    lock = _prepare_dir(run_dir, config_json, identity, config.force)
-    try:
-        results = res.ResultsFile(run_dir / "results.jsonl")
-        points = expected_points(config.modes, schemes, doc_ids, buckets)
-        _announce(run_dir, results, points, dict(zip(doc_ids, titles, strict=True)))
-        torch.manual_seed(config.seed)
-        interrupted = False
-        t0 = time.perf_counter()
-        texts = {i: docs[i].text for i in doc_ids}
-        with res.interrupt_on_sigterm():  # `timeout` or a scheduler's stop ends the run as Ctrl-C does
-            try:
+    config_json["device"] = device
+    if config.merge and not (run_dir / "config.json").is_file():
+        raise RunError(
+            f"--merge: {run_dir} holds no run (no config.json); run the shards (--shard I/N) first"
+        )
+    points = expected_points(config.modes, schemes, doc_ids, buckets)
+    with _Group(role) as group:
+        lock = _open_dir(run_dir, config_json, identity, config, role, group)
+        try:
+            return _run_locked(
+                config, role, group, lock, run_dir, model, tokenizer, schemes, docs, doc_ids, doc_tokens,
+                titles, buckets, points, config_json,
+            )
+        finally:
+            lock.release()
+
+
+def _run_locked(
+    config, role, group, lock, run_dir, model, tokenizer, schemes, docs, doc_ids, doc_tokens, titles, buckets,
+    points, config_json,
+) -> tuple[Path, list[dict]]:
+    """run()'s measuring and writing, with the run directory locked."""
+    tag = role.shard.tag if role.shard is not None else None
+    results = res.RunResults(run_dir, tag)
+    units = _units(points)
+    if config.merge:
+        mine: list[Unit] = []
+    elif role.coordinated:  # every rank has read the same results: they divide what is missing alike
+        todo = [u for u in units if not _unit_done(results, u, buckets)]
+        group.barrier()
+        mine = role.shard.part(todo)
+    elif role.shard is not None:
+        mine = role.shard.part(units)
+    else:
+        mine = units
+    mine_set = set(mine)
+    my_points = [p for p in points if (p[1], p[2], p[0]) in mine_set]
+    if not config.merge:
+        if role.shard is not None:
+            logger.info("%s %s: %d of the run's %d points are this process's part", _who(role),
+                        role.shard, len(my_points), len(points))
+        _announce(run_dir, results, my_points, dict(zip(doc_ids, titles, strict=True)))
+    torch.manual_seed(config.seed)
+    interrupted = False
+    t0 = time.perf_counter()
+    texts = {i: docs[i].text for i in doc_ids}
+    writes_report = role.shard is None or (role.coordinated and role.shard.index == 0)
+    summary: list[dict] = []
+    with res.interrupt_on_sigterm():  # `timeout` or a scheduler's stop ends the run as Ctrl-C does
+        try:
+            if mine:
                 _measure(
-                    config, model, tokenizer, schemes, doc_ids, doc_tokens, texts, buckets, results, run_dir
+                    config, model, tokenizer, schemes, doc_ids, doc_tokens, texts, buckets, results, run_dir,
+                    mine_set,
                 )
-            except KeyboardInterrupt:
-                interrupted = True
-            finally:
+            lock.release_shard()  # this shard's part is done (rank 0 waits on the others' locks)
+            if writes_report and role.coordinated:
+                _wait_for_shards(lock, role)
+        except KeyboardInterrupt:
+            interrupted = True
+        finally:
+            if mine:
                 logger.info("measured in %.1f s", time.perf_counter() - t0)
+            if writes_report:
+                results = res.RunResults(run_dir, tag)  # every rank's rows, as they are now
                 progress = progress_of(results, points)
                 summary = _write_outputs(
                     run_dir, results.rows, schemes, model.config, config, config_json, progress
                 )
-    finally:
-        lock.release()
+            else:
+                progress = progress_of(results, my_points)
     if interrupted:
         raise RunInterrupted(run_dir, progress)
+    if writes_report and not progress.complete:
+        why = "--merge" if config.merge else f"a rank of {role.shard.count} stopped before its part was done"
+        if config.merge or role.coordinated:
+            raise RunIncomplete(run_dir, progress, why)
+    if role.shard is not None and not role.coordinated:
+        logger.info(
+            "shard %s done (%s of its part measured) in %s; when every shard is done, run the same command "
+            "with --merge instead of --shard to write the report", role.shard, progress, run_dir
+        )
     return run_dir, summary
+
+
+# ------------------------------------------------------------------------------------------------ sharding
+
+Unit = tuple[str, int, str]  # (mode, document id, scheme label): what one process measures of a document
+
+
+@dataclass(frozen=True)
+class _Role:
+    """This process's part: the whole run (shard None), a job-array task (--shard I/N, coordinated False) or
+    a torchrun rank (coordinated: the ranks meet at a barrier, divide what is missing and rank 0 reports)."""
+
+    shard: Shard | None = None
+    coordinated: bool = False
+    local_rank: int = 0
+
+
+def _role(config: RunConfig) -> _Role:
+    """torchrun's (or accelerate's) ranks from RANK / WORLD_SIZE / LOCAL_RANK, else config.shard."""
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if not world or int(world) <= 1:
+        return _Role(config.shard)
+    if config.shard is not None or config.merge:
+        raise RunError(
+            f"--shard/--merge are for job arrays; under torchrun (WORLD_SIZE={world}) the ranks divide the "
+            "run among themselves and rank 0 writes the report: drop --shard/--merge"
+        )
+    try:
+        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+    except (KeyError, ValueError):
+        raise RunError(
+            f"WORLD_SIZE={world} but RANK is not set: launch with torchrun (docs/scale.md)"
+        ) from None
+    return _Role(Shard(rank, int(world)), True, local)
+
+
+def _rank_device(device: str, role: _Role) -> str:
+    """Each torchrun rank binds its own device: `cuda` -> `cuda:LOCAL_RANK`; the CPU stays the CPU."""
+    if not role.coordinated or not device.startswith("cuda"):
+        return device
+    if device != "cuda":
+        raise RunError(
+            f"--device {device} under torchrun would put every rank on one device: pass --device cuda, and "
+            "each rank binds cuda:LOCAL_RANK"
+        )
+    return f"cuda:{role.local_rank}"
+
+
+def _who(role: _Role) -> str:
+    return "rank" if role.coordinated else "shard"
+
+
+class _Group:
+    """torch.distributed's process group of the torchrun ranks (gloo: a barrier and one broadcast, on any
+    device), created here unless the launcher made one; nothing without coordination."""
+
+    def __init__(self, role: _Role):
+        self.role = role
+        self._own = False
+
+    def __enter__(self) -> _Group:
+        if self.role.coordinated:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():
+                dist.init_process_group("gloo")
+                self._own = True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._own:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+    @property
+    def rank(self) -> int:
+        return self.role.shard.index if self.role.shard is not None else 0
+
+    def barrier(self) -> None:
+        if self.role.coordinated:
+            import torch.distributed as dist
+
+            dist.barrier()
+
+    def share(self, message: str | None) -> str | None:
+        """Rank 0's message (an error, or None) on every rank."""
+        if not self.role.coordinated:
+            return message
+        import torch.distributed as dist
+
+        box = [message]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+
+def _open_dir(run_dir, config_json, identity, config: RunConfig, role: _Role, group: _Group) -> res.RunLock:
+    """Lock and claim the run directory for this process's part. torchrun: rank 0 claims it alone (the
+    exclusive lock, then shared with its ranks) and tells the others whether it could; they then lock their
+    own shards and check the directory holds this run."""
+    if not role.coordinated:
+        return _prepare_dir(run_dir, config_json, identity, config.force,
+                            shard=role.shard.tag if role.shard is not None else None)
+    if group.rank == 0:
+        try:
+            lock = _prepare_dir(run_dir, config_json, identity, config.force)
+            try:
+                lock.share(role.shard.tag)
+            except (res.RunDirError, OSError) as e:
+                lock.release()
+                raise RunError(str(e)) from None
+        except BaseException as e:
+            group.share(f"rank 0 could not open the run directory: {e}")
+            raise
+        group.share(None)
+        return lock
+    refused = group.share(None)
+    if refused:
+        raise RunError(refused)
+    try:
+        lock = res.RunLock(run_dir, role.shard.tag).acquire()
+    except res.RunDirError as e:
+        raise RunError(str(e)) from None
+    try:
+        stored = stored_identity(json.loads((run_dir / "config.json").read_text(encoding="utf-8")))
+    except (OSError, ValueError) as e:
+        lock.release()
+        raise RunError(f"{run_dir}/config.json unreadable after rank 0 wrote it: {e}") from None
+    if stored != identity:
+        lock.release()
+        raise RunError(f"rank {group.rank}'s configuration differs from rank 0's ({_diff(stored, identity)})")
+    return lock
+
+
+def _units(points: list[Point]) -> list[Unit]:
+    """The run's (mode, document, scheme) units in the order the run measures them."""
+    return list(dict.fromkeys((p[1], p[2], p[0]) for p in points))
+
+
+def _unit_done(results, unit: Unit, buckets) -> bool:
+    mode, doc, label = unit
+    return all(results.has(label, mode, doc, b.label) for b in buckets)
+
+
+def _wait_for_shards(lock: res.RunLock, role: _Role, poll: float = 0.2) -> None:
+    """Rank 0: wait until no other rank holds its shard's lock (done, or dead: the kernel drops a dead
+    process's lock, so this never waits on a killed rank). Interruptible (SIGTERM, Ctrl-C)."""
+    said = time.monotonic()
+    while True:
+        busy = [t for t in lock.shards_held() if t.endswith(f"-of-{role.shard.count}")]
+        if not busy:
+            return
+        if time.monotonic() - said > 30:
+            logger.info("rank 0 waits for %s to finish", ", ".join(busy))
+            said = time.monotonic()
+        time.sleep(poll)
+
+
+# ----------------------------------------------------------------------------------------------- measuring
 
 
 def _measure(
@@ -495,77 +749,288 @@ def _measure(
     doc_tokens,
     texts: dict[int, str],
     buckets,
-    results: res.ResultsFile,
+    results,
     run_dir: Path,
+    mine: set[Unit] | None = None,
 ) -> None:
     """Every mode and document in turn. A document with a missing point is measured from its first token
     (the reference and the schemes lacking points, in lockstep); only missing points are written. The
     reference's hidden states come from the reference cache when it holds them (keyed by the model's full
-    weights, the tokenizer, the document's text and ids, the dtype and the chunking: `refcache`)."""
+    weights, the tokenizer, the document's text and ids, the dtype and the chunking: `refcache`).
+
+    mine: the (mode, document, scheme) units this process measures (None: all). A scheme's numbers do not
+    depend on which others run beside it, so any division gives each point the one-process run's numbers;
+    a process measuring a scheme of a document whose reference another owns still computes (or reads) the
+    reference for its KL, but writes no reference row. Memory is measured on the device around every forward
+    (`_MemoryMeter`) and written with each document's last bucket."""
     from tqdm.auto import tqdm
 
     device = next(model.parameters()).device
     dtype = next(model.parameters()).dtype
     refs = _reference_cache(model, tokenizer) if config.reference_cache else None
     tokens = res.TokenStore(run_dir / "tokens")
+
+    def owns(mode: str, doc: int, label: str) -> bool:
+        return mine is None or (mode, doc, label) in mine
+
+    pairs = {(m, d) for m in config.modes for d in doc_ids} if mine is None else {(m, d) for m, d, _ in mine}
     bar = tqdm(
-        total=len(config.modes) * len(doc_ids) * config.max_length,
+        total=len(pairs) * config.max_length,
         desc="tokens (all modes, docs, schemes in lockstep)",
         unit="tok",
         dynamic_ncols=True,
     )
     failed: dict[tuple[str, str], str] = {}
     try:
-        for mode in config.modes:
-            base = mode.removesuffix("-shift")
-            shifted = mode.endswith("-shift")
-            prefill = config.prefill_length if base == "prefill" else None
-            mode_schemes = _runs_in(mode, schemes)
-            _record_skipped(results, mode, [s for s in schemes if s not in mode_schemes])
-            for doc in tqdm(doc_ids, desc=f"documents ({mode})", leave=False, dynamic_ncols=True):
-                todo = [
-                    s
-                    for s in mode_schemes
-                    if (scheme_label(s), mode) not in failed
-                    and not all(results.has(scheme_label(s), mode, doc, b.label) for b in buckets)
-                ]
-                if not todo and all(results.has(REFERENCE, mode, doc, b.label) for b in buckets):
-                    bar.update(config.max_length)
-                    continue
-                ids = torch.tensor([doc_tokens[doc]], dtype=torch.long, device=device)
-                # schemes with their own default chunk (peers: 128) run in their own lockstep, beside a
-                # reference chunked alike (its KL partner; its results.jsonl rows come from the first group)
-                for n, (chunk, group) in enumerate(_chunk_groups(config, base, todo)):
-                    shift = noise_shift(chunk) if shifted else 0
-                    stored, key = None, None
-                    if refs is not None:
-                        key = refs.key(
-                            ids,
-                            dtype,
-                            steps(ids.shape[1], base, chunk, prefill, shift),
-                            text=texts.get(doc),
-                            layers="full" if base == "prefill" else "model",  # measure.make_cache
+        with _MemoryMeter(model, device) as meter:
+            for mode in config.modes:
+                base = mode.removesuffix("-shift")
+                mode_schemes = _runs_in(mode, schemes)
+                _record_skipped(results, mode, [s for s in schemes if s not in mode_schemes])
+                for doc in tqdm(doc_ids, desc=f"documents ({mode})", leave=False, dynamic_ncols=True):
+                    if (mode, doc) not in pairs:
+                        continue  # another process's document
+                    write_ref = owns(mode, doc, REFERENCE)
+                    todo = [
+                        s
+                        for s in mode_schemes
+                        if owns(mode, doc, scheme_label(s))
+                        and (scheme_label(s), mode) not in failed
+                        and not all(results.has(scheme_label(s), mode, doc, b.label) for b in buckets)
+                    ]
+                    if not todo and (
+                        not write_ref or all(results.has(REFERENCE, mode, doc, b.label) for b in buckets)
+                    ):
+                        bar.update(config.max_length)
+                        continue
+                    ids = torch.tensor([doc_tokens[doc]], dtype=torch.long, device=device)
+                    # schemes with their own default chunk (peers: 128) run in their own lockstep, beside a
+                    # reference chunked alike (its KL partner; its rows come from the first group)
+                    for n, (chunk, group) in enumerate(_chunk_groups(config, base, todo, write_ref)):
+                        _measure_group(
+                            config, model, dtype, mode, doc, ids, texts.get(doc), chunk, group, buckets, refs,
+                            meter, results, tokens, failed, write_ref=write_ref and n == 0,
+                            progress=bar.update if n == 0 else None,
                         )
-                        stored = refs.load(key)
-                        if stored is not None:
-                            logger.info("reference of doc %d (%s) read from the reference cache", doc, mode)
-                    evaluate_document(
-                        model,
-                        ids,
-                        group,
-                        mode=base,
-                        chunk=chunk,
-                        buckets=buckets,
-                        prefill=prefill,
-                        shift=shift,
-                        reference=stored,
-                        on_reference=(lambda r, key=key: refs.save(key, r)) if refs is not None else None,
-                        on_bucket=_bucket_writer(results, tokens, mode, doc),
-                        on_error=_error_writer(results, failed, mode, doc),
-                        progress=bar.update if n == 0 else None,
-                    )
     finally:
         bar.close()
+
+
+def _measure_group(
+    config: RunConfig, model, dtype, mode: str, doc: int, ids, text, chunk: int, group, buckets, refs,
+    meter: _MemoryMeter, results, tokens: res.TokenStore, failed: dict, *, write_ref: bool, progress,
+) -> None:
+    """One evaluate_document call: the reference and `group` in lockstep on one document at one chunk, its
+    rows written (the last bucket's with the memory measured once the document is done)."""
+    base = mode.removesuffix("-shift")
+    shift = noise_shift(chunk) if mode.endswith("-shift") else 0
+    prefill = config.prefill_length if base == "prefill" else None
+    stored, key = None, None
+    if refs is not None:
+        key = refs.key(
+            ids,
+            dtype,
+            steps(ids.shape[1], base, chunk, prefill, shift),
+            text=text,
+            layers="full" if base == "prefill" else "model",  # measure.make_cache
+        )
+        stored = refs.load(key)
+        if stored is not None:
+            logger.info("reference of doc %d (%s) read from the reference cache", doc, mode)
+    memory = meter.document([scheme_label(s) for s in group], live_reference=stored is None)
+    pending: list[dict] = []  # the last bucket's rows, written with the memory measured
+    measured: dict[str, dict] = {}
+    try:
+        evaluate_document(
+            model,
+            ids,
+            group,
+            mode=base,
+            chunk=chunk,
+            buckets=buckets,
+            prefill=prefill,
+            shift=shift,
+            reference=stored,
+            on_reference=(lambda r, key=key: refs.save(key, r)) if refs is not None else None,
+            on_bucket=_bucket_writer(
+                results, tokens, mode, doc, write_ref=write_ref, last=buckets[-1], pending=pending,
+                memory=memory,
+            ),
+            on_error=_error_writer(results, failed, mode, doc, memory),
+            progress=progress,
+        )
+        measured = memory.finish()
+    finally:  # interrupted: the finished last-bucket rows are kept, without memory
+        meter.end_document()
+        for row in pending:
+            results.append({**row, **measured.get(row["scheme"], {})})
+
+
+class _MemoryMeter:
+    """Memory measured on the device around the measured forwards (`kvquant.memprobe.MemoryProbe`).
+
+    A forward pre-hook and hook on the model's decoder open and close one probe per forward; the forward's
+    `cache` says whose forward it is (`_DocumentMemory.label_of`). While the meter is open the objects alive
+    at its start are frozen out of the garbage collector (`gc.freeze`): every probe reading runs
+    `gc.collect()`, which otherwise walks the whole model and library heap (0.4 s a call here)."""
+
+    def __init__(self, model, device):
+        self.decoder = model.get_decoder()
+        self.device = torch.device(device)
+        self._handles: list = []
+        self._doc: _DocumentMemory | None = None
+
+    def __enter__(self) -> _MemoryMeter:
+        from kvquant.memprobe import MemoryProbeError
+
+        gc.freeze()  # no collection first: a full one costs as much as the freeze saves on a short run
+        try:
+            self._probe().current()
+        except MemoryProbeError as e:
+            gc.unfreeze()
+            logger.warning("memory not measured in this run: %s", e)
+            return self
+        self._handles = [
+            self.decoder.register_forward_pre_hook(self._before, with_kwargs=True),
+            self.decoder.register_forward_hook(self._after, with_kwargs=True, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._handles:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        gc.unfreeze()
+
+    def _probe(self):
+        from kvquant.memprobe import MemoryProbe
+
+        return MemoryProbe(self.device)
+
+    def document(self, labels: list[str], live_reference: bool) -> _DocumentMemory:
+        """Start measuring one evaluate_document call over the schemes `labels` (in its order)."""
+        self._doc = _DocumentMemory(self, labels, live_reference, active=bool(self._handles))
+        return self._doc
+
+    def end_document(self) -> None:
+        if self._doc is not None:
+            self._doc.close_open()
+        self._doc = None
+
+    def _before(self, module, args, kwargs) -> None:
+        doc = self._doc
+        if doc is None or not doc.active:
+            return
+        doc.close_open()
+        label = doc.label_of(kwargs.get("cache", kwargs.get("past_key_values")))
+        if label is not None:
+            probe = self._probe()
+            probe.__enter__()
+            doc.open = (label, probe)
+
+    def _after(self, module, args, kwargs, output) -> None:
+        if self._doc is not None:
+            self._doc.close_open()
+
+
+class _DocumentMemory:
+    """The memory of one document's runs: each run's highest forward peak, and at the end (`finish`) what
+    its cache held, measured by dropping it.
+
+    Whose forward: evaluate_document runs the reference (a DynamicCache, when it is computed here) and then
+    each scheme in the order given, every chunk; a scheme's cache is met first in that order (a scheme whose
+    cache could not be made is reported through on_error before any forward and is taken out). A
+    DynamicCache met while the reference is read from the reference cache is a scheme's FP prefill (prefill
+    mode), not probed. Each bucket's report (`check`) confirms the attribution: the cache attributed to a
+    label must hold the bytes and tokens evaluate_document reports for it, or the document's memory is
+    dropped with a warning."""
+
+    def __init__(self, meter: _MemoryMeter, labels: list[str], live_reference: bool, active: bool):
+        self.meter = meter
+        self.pending = list(labels)
+        self.live_reference = live_reference
+        self.active = active
+        self.caches: dict[str, object] = {}  # label -> its cache, kept alive until finish() drops it
+        self.by_id: dict[int, str] = {}
+        self.peaks: dict[str, int] = {}
+        self.open: tuple[str, object] | None = None
+        self.method = ""
+        self.valid = True
+
+    def label_of(self, cache) -> str | None:
+        if cache is None:
+            return None
+        if id(cache) in self.by_id:
+            return self.by_id[id(cache)]
+        from transformers.cache_utils import DynamicCache
+
+        if type(cache) is DynamicCache:
+            if not self.live_reference or REFERENCE in self.caches:
+                return None
+            label = REFERENCE
+        elif self.pending:
+            label = self.pending.pop(0)
+        else:
+            return None
+        self.by_id[id(cache)] = label
+        self.caches[label] = cache
+        return label
+
+    def close_open(self) -> None:
+        """Close the probe of the forward that just ended (or raised)."""
+        if self.open is None:
+            return
+        label, probe = self.open
+        self.open = None
+        probe.__exit__(None, None, None)
+        self.method = probe.reading.peak_method
+        self.peaks[label] = max(self.peaks.get(label, 0), probe.peak)
+
+    def failed(self, label: str) -> None:
+        """A scheme reported failed: not measured (its cache is let go)."""
+        if label in self.pending:
+            self.pending.remove(label)
+        self.caches.pop(label, None)
+        self.peaks.pop(label, None)
+
+    def check(self, label: str, nbytes, ntok) -> None:
+        cache = self.caches.get(label)
+        if cache is None or nbytes is None or not self.valid:
+            return
+        if cache_nbytes(cache) != nbytes or cache.get_seq_length() != ntok:
+            self.valid = False
+            logger.warning(
+                "memory of this document not recorded: the forward attributed to %s does not hold its "
+                "cache's %s bytes over %s tokens (evaluate_document's order of forwards changed?)",
+                label, nbytes, ntok,
+            )
+
+    def finish(self) -> dict[str, dict]:
+        """Per label: `metrics.MEMORY_FIELDS`, with every cache still alive at the end of the document, each
+        then dropped in turn (what dropping it gives back is what it held)."""
+        self.close_open()
+        if not self.active or not self.valid:
+            self.caches.clear()
+            return {}
+        probe = self.meter._probe()
+        device = self.meter.device
+        kind = ("memory_allocated; peaks max_memory_allocated" if device.type == "cuda"
+                else f"resident set after gc + malloc_trim; peaks {self.method or 'VmHWM'}")
+        out: dict[str, dict] = {}
+        for label in list(self.caches):
+            cache = self.caches.pop(label)
+            reserved = cache.reserved_bytes() if hasattr(cache, "reserved_bytes") else None
+            before = probe.current()
+            del cache
+            out[label] = {
+                "cache_reserved": reserved,
+                "mem_held": before - probe.current(),
+                "mem_peak": self.peaks.get(label),
+                "mem_probe": f"{device}: {kind}",
+            }
+        return out
 
 
 def _reference_cache(model, tokenizer) -> ReferenceCache | None:
@@ -579,18 +1044,21 @@ def _reference_cache(model, tokenizer) -> ReferenceCache | None:
         return None
 
 
-def _chunk_groups(config: RunConfig, mode: str, todo: list[EvalScheme]) -> list[tuple[int, list[EvalScheme]]]:
+def _chunk_groups(
+    config: RunConfig, mode: str, todo: list[EvalScheme], write_ref: bool = True
+) -> list[tuple[int, list[EvalScheme]]]:
     """(chunk, schemes) in cache mode, config.chunk's group first (it also writes the reference, even with no
-    scheme of its own left to measure); one group at config.chunk in the other modes."""
+    scheme of its own left to measure, unless write_ref is False); one group at config.chunk in the other
+    modes."""
     if mode != "cache":
         return [(config.chunk, todo)]
     groups: dict[int, list[EvalScheme]] = {config.chunk: []}
     for s in todo:
         groups.setdefault(config.chunk_for(s), []).append(s)
-    return [(c, g) for c, g in groups.items() if g or c == config.chunk]
+    return [(c, g) for c, g in groups.items() if g or (c == config.chunk and write_ref)]
 
 
-def _record_skipped(results: res.ResultsFile, mode: str, skipped: list[EvalScheme]) -> None:
+def _record_skipped(results, mode: str, skipped: list[EvalScheme]) -> None:
     for s in skipped:
         if not results.has(scheme_label(s), mode, -1, "skipped"):
             results.append(
@@ -605,37 +1073,55 @@ def _record_skipped(results: res.ResultsFile, mode: str, skipped: list[EvalSchem
             )
 
 
-def _bucket_writer(results: res.ResultsFile, tokens: res.TokenStore, mode: str, doc: int):
+def _bucket_writer(
+    results,
+    tokens: res.TokenStore,
+    mode: str,
+    doc: int,
+    *,
+    write_ref: bool = True,
+    last=None,
+    pending: list[dict] | None = None,
+    memory: _DocumentMemory | None = None,
+):
     """evaluate_document's on_bucket: the point's per-token values, then one results.jsonl line per bucket
-    not yet measured."""
+    not yet measured (the reference's only when write_ref). The `last` bucket's rows go to `pending`, written
+    by the caller once the document's memory is measured (`_DocumentMemory.finish`)."""
 
     def on_bucket(label, bucket, st, nbytes, ntok):
-        if results.has(label, mode, doc, bucket.label):
+        if memory is not None:
+            memory.check(label, nbytes, ntok)
+        if results.has(label, mode, doc, bucket.label) or (label == REFERENCE and not write_ref):
             return
         if label != REFERENCE:
             tokens.write(label, mode, doc, bucket.label, {k: v.numpy() for k, v in st.token_values().items()})
-        results.append(
-            {
-                "scheme": label,
-                "mode": mode,
-                "doc": doc,
-                "bucket": bucket.label,
-                "bucket_start": bucket.start,
-                "bucket_end": bucket.end,
-                **st.row_sums(),
-                "cache_bytes": nbytes,
-                "cache_tokens": ntok,
-                "status": "ok",
-            }
-        )
+        row = {
+            "scheme": label,
+            "mode": mode,
+            "doc": doc,
+            "bucket": bucket.label,
+            "bucket_start": bucket.start,
+            "bucket_end": bucket.end,
+            **st.row_sums(),
+            "cache_bytes": nbytes,
+            "cache_tokens": ntok,
+            "status": "ok",
+        }
+        if pending is not None and bucket == last:
+            pending.append(row)
+        else:
+            results.append(row)
 
     return on_bucket
 
 
-def _error_writer(results: res.ResultsFile, failed: dict[tuple[str, str], str], mode: str, doc: int):
+def _error_writer(results, failed: dict[tuple[str, str], str], mode: str, doc: int,
+                  memory: _DocumentMemory | None = None):
     """evaluate_document's on_error: the scheme is recorded as failed and skipped for the rest of the run."""
 
     def on_error(label, e):
+        if memory is not None:
+            memory.failed(label)
         failed[(label, mode)] = f"{type(e).__name__}: {e}"
         results.append(
             {
@@ -654,16 +1140,22 @@ def _error_writer(results: res.ResultsFile, failed: dict[tuple[str, str], str], 
 # ------------------------------------------------------------------------------------------------ outputs
 
 
-def memory_of(schemes, model_config, kv_dtype: str) -> dict[str, res.Memory]:
-    """Bytes at the storage dtype for the reference and every scheme (each through its protocol)."""
+def memory_of(schemes, model_config, kv_dtype: str, run_dtype: str | None = None) -> dict[str, res.Memory]:
+    """Bytes at the storage dtype for the reference and every scheme (each through its protocol); with
+    run_dtype (float32, ...) also held at the dtype the run computes and stores in (beside nbytes())."""
     shape = kvquant.memory.KVShape.from_config(model_config)
     dbytes = KV_DTYPE_BYTES[kv_dtype]
+    rbytes = KV_DTYPE_BYTES[run_dtype] if run_dtype else None
     values = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
     fp = float(kvquant.memory.fp16_bytes_per_token(shape, dbytes))
-    out = {REFERENCE: res.Memory(fp, lambda n: _fp_held(model_config, n, dbytes), values)}
+    out = {REFERENCE: res.Memory(
+        fp, lambda n: _fp_held(model_config, n, dbytes), values,
+        (lambda n: _fp_held(model_config, n, rbytes)) if rbytes else None,
+    )}
     for s in schemes:
         out[scheme_label(s)] = res.Memory(
-            s.bytes_per_token(shape, dbytes), lambda n, s=s: s.held_bytes(model_config, n, dbytes), values
+            s.bytes_per_token(shape, dbytes), lambda n, s=s: s.held_bytes(model_config, n, dbytes), values,
+            (lambda n, s=s: s.held_bytes(model_config, n, rbytes)) if rbytes else None,
         )
     return out
 
@@ -677,9 +1169,8 @@ def _fp_held(model_config, n: int, dbytes: int) -> float:
 
 def _summary(rows, schemes, model_config, config: RunConfig, run_dir: Path | None = None) -> list[dict]:
     tokens = res.TokenStore(run_dir / "tokens") if run_dir is not None else None
-    return res.summarize(
-        rows, memory_of(schemes, model_config, config.kv_dtype_name), REFERENCE, tokens, seed=config.seed
-    )
+    memory = memory_of(schemes, model_config, config.kv_dtype_name, config.dtype_name)
+    return res.summarize(rows, memory, REFERENCE, tokens, seed=config.seed)
 
 
 def plot_info(config_json: dict, progress: Progress | None = None) -> res.PlotInfo:
@@ -718,6 +1209,11 @@ def _targets(summary: list[dict], names: dict, bound: float = INT8_TARGET) -> li
                 lines.append(f"- `{names.get(scheme, scheme)}` ({mode}): drift interval within "
                              f"±{100 * bound:.1f}% in {sum(judged)} of {len(rows)} buckets")
     return lines
+
+
+def _probe_of(rows) -> str | None:
+    """How the run's memory was measured (`mem_probe` of its rows), for the report."""
+    return next((r["mem_probe"] for r in rows if r.get("mem_probe")), None)
 
 
 def _write_outputs(
@@ -762,6 +1258,7 @@ def _write_outputs(
         res.markdown_table(summary, names, kv),
         *_targets(summary, names),
         "",
+        res.memory_table(summary, names, _probe_of(rows), config_json["dtype"]),
         res.distribution_table(summary, names),
         res.known_shapes_table(schemes, kv_dtype=kv),
         "",

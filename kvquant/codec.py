@@ -450,12 +450,15 @@ def _families() -> dict[str, type[Codec]]:
     from .codec_engine_vllm import VLLMCodec
     from .codec_fp8 import FP8Codec
     from .codec_transforms import CenterCodec, OutlierCodec, RotationCodec
+    from .codec_turbo import TurboCodec
 
     return {**_FAMILIES, "fp8": FP8Codec, "center": CenterCodec, "rotate": RotationCodec,
-            "outliers": OutlierCodec, "engine": EngineCodec, "vllm": VLLMCodec}
+            "outliers": OutlierCodec, "engine": EngineCodec, "vllm": VLLMCodec, "turbo": TurboCodec}
 
 
 def _family(spec: QuantSpec) -> str:
+    if spec.turbo is not None:  # turboB... (codec_turbo)
+        return "turbo"
     if spec.engine is not None:  # llama.cpp:q4_0, mxfp4, nvfp4 (codec_engine); vllm:* (codec_engine_vllm)
         return "vllm" if spec.engine.startswith("vllm:") else "engine"
     if spec.transforms:  # -center, -rot, -out wrap the codec of the spec without them, outermost first

@@ -48,6 +48,21 @@ Engine formats, stored bit for bit as the engine lays them out (`kvquant.codec_e
 `mxfp4`, `nvfp4` (ggml's FP4 blocks); vLLM's `--kv-cache-dtype` values (`kvquant.codec_engine_vllm`):
 `vllm:fp8` (= `vllm:fp8_e4m3`), `vllm:fp8_e5m2` (per-tensor scale 1.0, saturating),
 `vllm:int8_per_token_head`, `vllm:fp8_per_token_head` (one fp32 scale per token and head).
+
+TurboQuant (Zandieh et al., ICLR 2026; `kvquant.codec_turbo`) is its own family, with its own options in this
+order (only -prerope follows them):
+
+    turboB        per (token, head): the norm (fp16) and a random rotation of the direction, each coordinate
+                  coded with B-bit Lloyd-Max levels computed for a rotated unit vector's coordinate (B = 1..4)
+    turboB.25/.5/.75   the paper's outlier split: that fraction of the D channels (the largest by energy,
+                  chosen per head every 16 tokens, a D-bit mask) at B+1 bits, the rest at B, two independent
+                  instances (norm, rotation, levels each): turbo2.25 is the paper's "2.5-bit" 32-of-128
+                  split (2.25 code bits + two norms), turbo2.5 / turbo3.5 half the channels one bit higher
+    -qjl          TurboQuant_prod: B-1 bits of MSE codes + a 1-bit QJL sketch of the residual (D signs of a
+                  Gaussian projection) and its norm; decode returns the unbiased estimator's key
+    -had          randomized Walsh-Hadamard rotation (kvquant's -rot) instead of the paper's dense Haar one
+    -nc           norm correction: the stored norm makes the decoded vector keep the input's norm
+    -seedS        seed of the rotations and the projection (default 0); -blockN: tokens per outlier choice
 """
 
 from __future__ import annotations
@@ -65,6 +80,7 @@ __all__ = [
     "QuantSpec",
     "Scheme",
     "SchemeError",
+    "TurboSpec",
     "FP16",
     "PRESETS",
     "parse_spec",
@@ -123,7 +139,9 @@ ENGINE_REFUSED: dict[str, str] = {
     "vllm:int4_per_token_head": "its codebook levels and key rotation changed between vLLM versions and are "
     "not readable offline, so kvquant cannot reproduce them bit for bit",
     **{
-        f"vllm:{p}": "TurboQuant (rotation, codebook and stored norm) is not reproduced in kvquant yet"
+        f"vllm:{p}": "vLLM's TurboQuant presets (their bit split, boundary layers and kernels' layout) are "
+        "not reproduced bit for bit yet; the paper's method is kvquant's own `turboB` family (turbo3.5, "
+        "turbo2.5, ...)"
         for p in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
     },
     "vllm:nvfp4": "vLLM's NVFP4 follows FlashInfer's arithmetic, not reproduced here; kvquant's `nvfp4` is "
@@ -151,6 +169,116 @@ def outlier_count(percent: float, head_dim: int) -> int:
     return max(1, math.ceil(percent * head_dim / 100 - 1e-9))
 
 
+TURBO_ROTATIONS = ("dense", "hadamard")
+TURBO_BLOCK = 16  # tokens per choice of outlier channels (one page of the default store)
+_TURBO_RE = re.compile(
+    r"^turbo(?P<bits>\d)(?:\.(?P<frac>25|5|75))?(?P<qjl>-qjl)?(?P<had>-had)?(?P<nc>-nc)?"
+    r"(?:-seed(?P<seed>\d{1,10}))?(?:-block(?P<block>\d{1,8}))?$"
+)
+
+
+@dataclass(frozen=True)
+class TurboSpec:
+    """TurboQuant (Zandieh et al., ICLR 2026; `kvquant.codec_turbo`): per (token, head) vector, its norm
+    (fp16) and a random rotation of its direction quantized coordinate by coordinate with Lloyd-Max levels
+    of the rotated coordinate's distribution.
+
+    bits: bits per coordinate of the regular channels, the QJL bit included (1..4).
+    high: quarters of the D channels (0..3) that are outlier channels at bits + 1, each group its own
+        TurboQuant instance (norm, rotation, levels): `turbo2.25` = D/4 channels at 3 bits, 3D/4 at 2.
+    qjl: the MSE stage at bits - 1 and a 1-bit QJL sketch of the residual with its norm (TurboQuant_prod).
+    rotation: "dense" (Haar orthogonal from a QR, the paper's) or "hadamard" (kvquant's -rot: H diag(s)).
+    norm_correction: store norm / |decoded direction| so the decoded vector keeps the input's norm.
+    seed: seeds the rotations and the QJL projection.
+    block: tokens per choice of outlier channels (split specs: a D-bit mask per head every `block` tokens).
+    """
+
+    bits: int
+    high: int = 0
+    qjl: bool = False
+    rotation: str = "dense"
+    norm_correction: bool = False
+    seed: int = 0
+    block: int = TURBO_BLOCK
+
+    def __post_init__(self) -> None:
+        ints = (self.bits, self.high, self.seed, self.block)
+        if any(isinstance(n, bool) or not isinstance(n, int) for n in ints):
+            raise SchemeError(f"turbo bits, high, seed and block must be integers, got {ints}")
+        top = self.bits + (self.high > 0)
+        if not (1 <= self.bits <= 4 and 0 <= self.high <= 3 and top <= 4):
+            raise SchemeError(
+                f"turbo{self.code_bits:g}: codes have 1..4 bits (outlier channels at bits + 1 <= 4), and "
+                "0..3 quarters of the channels are outliers: turbo1 .. turbo4, turbo2.5, turbo3.5, turbo3.75"
+            )
+        if self.qjl and self.bits < 2:
+            raise SchemeError("-qjl spends one of the bits on the QJL sketch: it needs turbo2 or more")
+        if self.rotation not in TURBO_ROTATIONS:
+            known = ", ".join(TURBO_ROTATIONS)
+            raise SchemeError(f"unknown turbo rotation {self.rotation!r}; known: {known}")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise SchemeError(f"turbo -seed{self.seed}: the seed must lie in 0..{MAX_SEED}")
+        if not 1 <= self.block <= MAX_TOKENS:
+            raise SchemeError(f"turbo -block{self.block}: 1..{MAX_TOKENS:,} tokens per outlier choice")
+        if self.block != TURBO_BLOCK and not self.high:
+            raise SchemeError("-blockN (how often outliers are chosen) is for split specs only (turbo2.5)")
+
+    @property
+    def code_bits(self) -> float:
+        """Code bits per coordinate, averaged over D (norms and masks not counted): the spec's number."""
+        return self.bits + self.high / 4
+
+    @property
+    def token_group(self) -> int:
+        return self.block if self.high else 1
+
+    def groups(self, head_dim: int) -> tuple[tuple[int, int], ...]:
+        """(channels, code bits) of each TurboQuant instance: the outlier group first, the QJL bit
+        excluded (the MSE stage's bits)."""
+        mse = self.bits - self.qjl
+        n_high = head_dim * self.high // 4
+        if not n_high:
+            return ((head_dim, mse),)
+        return ((n_high, mse + 1), (head_dim - n_high, mse))
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim % 8 or head_dim < 8 or (self.high and head_dim % 32):
+            raise SchemeError(
+                f"turbo{self.code_bits:g} needs a head_dim that is a multiple of 8 (32 for an outlier split, "
+                f"so each group packs whole bytes); got {head_dim}"
+            )
+        if self.rotation == "hadamard":
+            bad = [n for n, _ in self.groups(head_dim) if n & (n - 1)]
+            if bad:
+                raise SchemeError(
+                    f"turbo -had rotates each channel group with a Walsh-Hadamard transform, which needs a "
+                    f"power of two; groups of {bad} channels are not: drop -had (dense rotation) or use "
+                    "turbo2.5 / turbo3.5 (halves)"
+                )
+
+    @classmethod
+    def parse(cls, text: str) -> TurboSpec:
+        m = _TURBO_RE.match(text)
+        if not m:
+            raise SchemeError(
+                "write turbo<bits>[.25|.5|.75][-qjl][-had][-nc][-seedS][-blockN] "
+                "(options in this order), e.g. turbo3, turbo3.5, turbo2.5-qjl, turbo3-had-nc"
+            )
+        frac = {None: 0, "25": 1, "5": 2, "75": 3}[m["frac"]]
+        return cls(
+            int(m["bits"]), frac, bool(m["qjl"]), "hadamard" if m["had"] else "dense", bool(m["nc"]),
+            int(m["seed"] or 0), int(m["block"] or TURBO_BLOCK),
+        )
+
+    def __str__(self) -> str:
+        parts = [f"turbo{self.code_bits:g}"]
+        parts += [opt for on, opt in ((self.qjl, "qjl"), (self.rotation == "hadamard", "had"),
+                                      (self.norm_correction, "nc")) if on]
+        parts += [f"seed{self.seed}"] * (self.seed != 0)
+        parts += [f"block{self.block}"] * (self.block != TURBO_BLOCK)
+        return "-".join(parts)
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """How one of K or V is quantized.
@@ -175,6 +303,8 @@ class QuantSpec:
     engine: an engine's block format (a key of `ENGINE_FORMATS`: `llama.cpp:q4_0`, `mxfp4`, ...), stored as
         the engine lays it out (`kvquant.codec_engine`); bits is then the format's nominal width (set from
         it) and every other option stays at its default (only -prerope combines with it).
+    turbo: TurboQuant (`TurboSpec`, `turboB...`); bits is then its code bits rounded up and every other
+        option stays at its default (only -prerope combines with it).
     """
 
     bits: int
@@ -190,10 +320,14 @@ class QuantSpec:
     outliers: float | None = None
     unit_scale: bool = False
     engine: str | None = None
+    turbo: TurboSpec | None = None
 
     def __post_init__(self) -> None:
         if self.engine is not None:
             self._check_engine()
+            return
+        if self.turbo is not None:
+            self._check_turbo()
             return
         if self.bits not in BITS:
             raise SchemeError(f"bits={self.bits} is not supported; use one of {BITS}")
@@ -285,6 +419,16 @@ class QuantSpec:
         object.__setattr__(self, "bits", ENGINE_FORMATS[self.engine][0])
         object.__setattr__(self, "symmetric", False)  # one canonical value; the format decides
 
+    def _check_turbo(self) -> None:
+        """A TurboQuant spec fixes everything but -prerope (its options live in `TurboSpec`)."""
+        if not isinstance(self.turbo, TurboSpec):
+            raise SchemeError(f"turbo must be a TurboSpec (parse_spec('turbo3')), not {self.turbo!r}")
+        extra = [f.name for f in dataclasses.fields(self) if f.name not in ("bits", "turbo", "prerope")
+                 and getattr(self, f.name) != getattr(FP16, f.name)]
+        if extra:
+            raise SchemeError(f"{self.turbo} takes no {', '.join(extra)} (only -prerope)")
+        object.__setattr__(self, "bits", math.ceil(self.turbo.code_bits))
+
     def _check_research(self) -> None:
         """The fp8 kind and the research transforms (-center, -rot, -out)."""
         if self.fp8 is not None:
@@ -337,12 +481,17 @@ class QuantSpec:
     @property
     def tokens_per_group(self) -> int:
         """How many tokens must arrive before they can be quantized (N for CHANNEL, else 1; with -centerM,
-        the least common multiple with M)."""
+        the least common multiple with M; turbo split specs: their -blockN)."""
+        if self.turbo is not None:
+            return self.turbo.token_group
         n = self.group_size if self.granularity is Granularity.CHANNEL else 1
         return math.lcm(n, self.center) if self.center is not None else n
 
     def check_head_dim(self, head_dim: int) -> None:
         """Refuse a group size that does not divide head_dim, naming both numbers."""
+        if self.turbo is not None:
+            self.turbo.check_head_dim(head_dim)
+            return
         if self.engine is not None:
             block = ENGINE_FORMATS[self.engine][1]
             if head_dim % block:
@@ -596,13 +745,19 @@ EXAMPLES: dict[str, str] = {
     "vllm:int8_per_token_head": "vLLM int8_per_token_head: int8 (truncated) + fp32 scale per token and head",
     "vllm:fp8_per_token_head": "vLLM fp8_per_token_head: E4M3 + one fp32 scale per token and head",
     "layers=0:fp16+1-28:vllm:fp8+29:fp16": "vLLM fp8 with --kv-cache-dtype-skip-layers 0,29 (30 layers)",
+    "turbo3": "TurboQuant: fp16 norm + dense random rotation + 3-bit Lloyd-Max levels per coordinate",
+    "turbo3.5": "TurboQuant 3.5: half the channels (outliers, per 16 tokens) at 4 bits, half at 3",
+    "turbo2.5": "TurboQuant 2.5: half the channels at 3 bits, half at 2 (turbo2.25: a quarter at 3)",
+    "k=turbo3-qjl,v=turbo3": "TurboQuant_prod keys: 2-bit codes + 1-bit QJL residual sketch (3 bits)",
+    "turbo3-had-nc": "TurboQuant ablations: Walsh-Hadamard rotation, norm correction",
 }
 
 
 def _spec_error(text: str, why: str) -> SchemeError:
     err = SchemeError(
         f"bad quantization spec {text!r}: {why}. A spec is fp16, int8/int4/int2, nuq4/nuq3/nuq2 or "
-        "fp8-e4m3/fp8-e5m2 followed by [-head | -gN | -channel-gN | -tensor (fp8)] [-sym | -asym] "
+        "fp8-e4m3/fp8-e5m2 (or turbo<bits>: TurboQuant, its own options) followed by "
+        "[-head | -gN | -channel-gN | -tensor (fp8)] [-sym | -asym] "
         "[-sfp16 | -sbf16 | -sfp32], then in this order [-center[N]] [-rot[SEED]] [-outP] [-prerope (keys)]; "
         "examples: int8, int4-g64, int2-g32-sym, int4-channel-g64, fp8-e4m3-head, int4-g64-rot, fp16-rot"
     )
@@ -667,6 +822,11 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
         )
     if _LONG_NUMBER.search(text):
         raise _spec_error(text, "a number of 11 or more digits is beyond every bound (group sizes, seeds)")
+    if text.startswith("turbo"):  # TurboQuant (kvquant.codec_turbo): its own options, `TurboSpec.parse`
+        try:
+            return QuantSpec(4, turbo=TurboSpec.parse(text))
+        except SchemeError as e:
+            raise _spec_error(text, str(e)) from None
     m = _SPEC_RE.match(text)
     if not m:
         raise _spec_error(text, f"{_NOT_A_FAMILY} fp16, int<bits>, nuq<bits> or fp8-<kind>")
@@ -771,8 +931,8 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
 
 def format_spec(spec: QuantSpec) -> str:
     """The canonical string of a spec; parse_spec(format_spec(s)) == s."""
-    if spec.engine is not None:
-        return spec.engine + (_PREROPE if spec.prerope else "")
+    if spec.engine is not None or spec.turbo is not None:
+        return (spec.engine or str(spec.turbo)) + (_PREROPE if spec.prerope else "")
     if not spec.is_quantized:
         return "-".join(["fp16", *_format_research(spec)]) + (_PREROPE if spec.prerope else "")
     parts = [f"fp8-{spec.fp8}" if spec.fp8 is not None else f"{'nuq' if spec.codebook else 'int'}{spec.bits}"]

@@ -25,7 +25,10 @@ def cfg(out, corpus, **kw) -> RunConfig:
 def finished(tmp_path_factory, tiny_model, tokenizer, tiny_corpus):
     """One uninterrupted run in both modes, shared by the checks on its files."""
     out = tmp_path_factory.mktemp("runs") / "full"
-    run_dir, summary = run(cfg(out, tiny_corpus, mode="both"), model=tiny_model, tokenizer=tokenizer)
+    # a module fixture is set up before the autouse one that points the reference cache away from the user's
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVQUANT_REFERENCE_CACHE", str(tmp_path_factory.getbasetemp() / "reference-cache"))
+        run_dir, summary = run(cfg(out, tiny_corpus, mode="both"), model=tiny_model, tokenizer=tokenizer)
     return run_dir, summary
 
 
@@ -71,6 +74,19 @@ def test_run_directory_files(finished, tiny_model):
             "status"} <= set(
         lines[0]
     )
+    # memory measured on the device rides on each document's last bucket: held and peak in both modes (fake
+    # mode's FakeQuantCache holds exact K/V), the pools' reserve for kvquant's QuantizedCache only
+    for x in lines:
+        if x["bucket"] != "256-300":
+            assert "mem_held" not in x
+        elif x["scheme"] != "fp16":  # (a reference read from the reference cache is not run: not measured)
+            assert x["mem_held"] > 0 and x["mem_peak"] > 0 and x["mem_probe"].startswith("cpu: ")
+            reserved = x["cache_reserved"]
+            assert reserved >= x["cache_bytes"] if x["mode"] == "cache" else reserved is None
+    fake8 = next(r for r in rows if r["scheme"] == "int8" and r["mode"] == "fake" and r["bucket"] == "all")
+    assert fake8["mem_held_per_token"] == "nan" and float(fake8["mem_peak"]) > 0  # no cache of its own
+    assert float(cache8["bytes_per_token_reserved"]) >= float(cache8["bytes_per_token_measured"])
+    assert "**Memory: the formula, the pages, the pools, and what the device held**" in report
 
 
 def test_known_shapes_table():
