@@ -127,36 +127,13 @@ def cache_specs(schemes: Sequence[str], peers: Sequence[str], capacity: int | No
 
 
 def tensor_bytes(cache) -> int:
-    """Bytes a cache holds: kvquant's `nbytes()`; else `kvquant.eval.measure.cache_nbytes` (tensors its layers
-    reference, quanto's included) plus the tensors inside tuples/dicts it does not walk (HQQ keeps
-    `(codes, {scale, zero, ...})` tuples), each storage counted once."""
-    import torch
+    """Bytes a cache holds: kvquant's `nbytes()`; else `kvquant.eval.measure.cache_nbytes` (the tensors its
+    layers reference, quanto's packed tensors and HQQ's (codes, {scale, zero}) tuples included)."""
     from kvquant.eval.measure import cache_nbytes
 
     if hasattr(cache, "reserved_bytes"):
         return cache.nbytes()
-    seen: set[int] = set()
-    extra = 0
-
-    def walk(v) -> None:
-        nonlocal extra
-        if isinstance(v, torch.Tensor) and type(v) is torch.Tensor:
-            key = v.untyped_storage().data_ptr()
-            if key not in seen:
-                seen.add(key)
-                extra += v.untyped_storage().nbytes()
-        elif isinstance(v, (tuple, list)):
-            for x in v:
-                walk(x)
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x)
-
-    for layer in cache.layers:
-        for v in vars(layer).values():
-            if isinstance(v, (tuple, list, dict)):
-                walk(v)
-    return cache_nbytes(cache) + extra
+    return cache_nbytes(cache)
 
 
 # ------------------------------------------------------------------------------------------------- measuring

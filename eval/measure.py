@@ -228,13 +228,12 @@ def steps(length: int, mode: str, chunk: int, prefill: int | None = None, shift:
 
 def _tensor_bytes(obj, seen: set[int]) -> int:
     """Bytes of every tensor reachable from obj's attributes, tuples, lists and dict values (quanto's packed
-    tensors, HQQ's (codes, meta) pairs), each storage counted once."""
+    tensors, HQQ's (codes, meta) pairs), each tensor object counted once."""
+    if id(obj) in seen:
+        return 0
     if isinstance(obj, torch.Tensor) and type(obj) is torch.Tensor or isinstance(obj, torch.nn.Parameter):
-        key = obj.untyped_storage().data_ptr() if obj.numel() else id(obj)
-        if key in seen:
-            return 0
-        seen.add(key)
-        return obj.untyped_storage().nbytes() if obj.numel() else 0
+        seen.add(id(obj))
+        return obj.nbytes  # the tensor's own bytes (a view into a larger buffer counts only its part)
     if id(obj) in seen:
         return 0
     seen.add(id(obj))

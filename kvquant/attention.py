@@ -78,6 +78,8 @@ class _Segment:
     value: torch.Tensor
     col: int
     fresh: str | None = None
+    key_frame: object | None = None  # KernelFrame: keys are R k (score with R q); None: k itself
+    value_frame: object | None = None  # KernelFrame: values are R v (rotate the block's output back)
 
 
 def reference_attention(
@@ -106,13 +108,22 @@ def reference_attention(
     masks = _Masks(query, view, attention_mask)
     state = _Merge(b, hq, q, d, work, query.device)
     tiled = q > _DIRECT_QUERIES
+    rotated: dict[int, torch.Tensor] = {}  # the query in each key frame, rotated once per call
     for seg in _segments(view, masks, work, stream_tokens):
+        qs = query
+        if seg.key_frame is not None:
+            f = seg.key_frame
+            if id(f.signs) not in rotated:
+                rotated[id(f.signs)] = f.into(query.to(work))
+            qs = rotated[id(f.signs)]
+        back = seg.value_frame.out_of if seg.value_frame is not None else None
         if tiled:
-            _tiles(query, seg, masks, scale, state)
+            _tiles(qs, seg, masks, scale, state, back)
         else:
             visible, mask = masks.tile(slice(0, q), seg.col, seg.key.shape[2], seg.fresh)
             if visible:
-                state.add(*_direct(query, seg, mask, scale, work))
+                out, lse = _direct(qs, seg, mask, scale, work)
+                state.add(back(out) if back is not None else out, lse)
     return state.result().transpose(1, 2).contiguous().to(query.dtype)  # (B, q, H_q, D)
 
 
@@ -165,7 +176,9 @@ def _direct(
     return out.view(b, hq, q, d), lse.view(b, hq, q)
 
 
-def _tiles(query: torch.Tensor, seg: _Segment, masks: _Masks, scale: float, state: _Merge) -> None:
+def _tiles(
+    query: torch.Tensor, seg: _Segment, masks: _Masks, scale: float, state: _Merge, back=None
+) -> None:
     """One segment for a chunk of queries, through torch's fused CPU attention one query tile at a time;
     tiles the mask hides entirely are skipped, tiles it leaves whole run unmasked."""
     b, hq, q, d = query.shape
@@ -189,7 +202,7 @@ def _tiles(query: torch.Tensor, seg: _Segment, masks: _Masks, scale: float, stat
         out, lse = _FLASH_CPU(query[:, :, rows], k, v, 0.0, False, attn_mask=float_mask, scale=scale)
         if empty_rows is not None:
             lse = lse.masked_fill(empty_rows, float("-inf"))
-        state.add(out, lse, rows)
+        state.add(back(out) if back is not None else out, lse, rows)
 
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, logsumexp)
@@ -289,12 +302,15 @@ def _segments(view: LayerView, masks: _Masks, work: torch.dtype, stream_tokens: 
     if sink_n:
         yield _Segment(*_fp_region(view, view.sink, work), 0)
     f0, f1 = masks.fresh_cols
+    device = masks.device
+    kf, vf = view.key_codec.read_frame(device), view.value_codec.read_frame(device)
+    kc, vc = (kf.codec if kf else view.key_codec), (vf.codec if vf else view.value_codec)
     for sub, off in _chunks(view.body, view.block_size, stream_tokens):
         c0 = sink_n + off
-        k = _decode(view.key_codec, view.key_pages, sub, work)
-        v = _decode(view.value_codec, view.value_pages, sub, work)
+        k = _decode(kc, view.key_pages, sub, work)  # in R's frame for a rotated codec: no R^T per token
+        v = _decode(vc, view.value_pages, sub, work)
         overlaps = masks.ends is not None and max(c0, f0) < min(c0 + sub.length, f1)
-        yield _Segment(k, v, c0, "stored" if overlaps else None)
+        yield _Segment(k, v, c0, "stored" if overlaps else None, kf, vf)
     if view.recent.length:
         yield _Segment(*_fp_region(view, view.recent, work), sink_n + body_n)
     if masks.copies_needed:

@@ -187,6 +187,12 @@ class Codec(ABC):
         """How the Triton kernels read this codec, or None when no kernel serves it (reference path)."""
         return None
 
+    def read_frame(self, device: torch.device):
+        """A `kvquant.codec_transforms.KernelFrame` (inner codec, rotation R) when this codec stores R x and
+        attention may score in the rotated frame ((R q) . (R k) = q . k, and sum p (R v) rotated back once),
+        skipping R^T on every decoded token; None: `decode_at` gives x itself."""
+        return None
+
     def encode_at(self, x: torch.Tensor, start: int) -> dict[str, torch.Tensor]:
         """`encode` for tokens at positions start .. start + T - 1 (position-dependent codecs use it)."""
         return self.encode(x)

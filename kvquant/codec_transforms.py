@@ -152,6 +152,12 @@ class RotationCodec(_Wrapper):
             self._device_signs[device] = self.signs.to(device)
         return KernelFrame(self.inner, self._device_signs[device])
 
+    def read_frame(self, device: torch.device) -> KernelFrame:
+        """The inner codec in the frame rotated by R, whatever serves the inner codec (the reference path)."""
+        if device not in self._device_signs:
+            self._device_signs[device] = self.signs.to(device)
+        return KernelFrame(self.inner, self._device_signs[device])
+
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.inner.encode(rotate(x.float(), self.signs).to(self.dtype))
 

@@ -160,16 +160,16 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     Codes are unpacked with shifts and masks on the packed bytes (`kvquant.packing.unpack`, no index
     tensors), then x_hat = code * scale + zero, or (code - 2^(b-1)) / qmax * scale, in fp32."""
     spec = q.spec
+    # one fresh buffer, then in place: each fresh (B, H, T, D) temporary costs its page faults on the CPU
     values = unpack(q.codes, spec.bits, q.shape[-1]).float()  # (B, H, T, D)
     if spec.symmetric:
-        values = (values - (1 << (spec.bits - 1))) / spec.qmax
+        values.sub_(1 << (spec.bits - 1)).div_(spec.qmax)
     extent = block_extent(spec, q.shape[1], q.shape[3])
     blocks, scale = extent.broadcast(values, q.scale.float())
-    if spec.symmetric:
-        x = blocks * scale
-    else:
-        x = blocks * scale + extent.broadcast(values, q.zero.float())[1]
-    return x.reshape(q.shape).to(dtype or q.dtype)
+    blocks.mul_(scale)
+    if not spec.symmetric:
+        blocks.add_(extent.broadcast(values, q.zero.float())[1])
+    return values.to(dtype or q.dtype)
 
 
 def fake_quantize(x: torch.Tensor, spec: QuantSpec | str) -> torch.Tensor:
