@@ -309,8 +309,9 @@ MEMORY_METRICS = tuple(BY_NAME[n] for n in (  # the report's memory table, in th
     "bytes_per_token_formula_run", "bytes_per_token_measured", "bytes_per_token_reserved",
     "mem_held_per_token", "mem_peak"))
 INTERVAL_METRICS = tuple(m for m in METRICS if m.interval)
-KEY_COLUMNS = ("scheme", "mode", "bucket", "bucket_start", "bucket_end", "docs")
-TEXT_COLUMNS = ("scheme", "mode", "bucket", "status")
+# `name` is the scheme as the report shows it (a preset's name, "fp32 (reference)"); `scheme` the result label
+KEY_COLUMNS = ("scheme", "name", "mode", "bucket", "bucket_start", "bucket_end", "docs")
+TEXT_COLUMNS = ("scheme", "name", "mode", "bucket", "status")
 
 
 def _columns() -> list[str]:

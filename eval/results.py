@@ -655,9 +655,14 @@ def summarize(
             if (mode, r["doc"], r["bucket"]) in ref:
                 bucket_rows[(r["bucket_start"], r["bucket_end"], r["bucket"])].append(r)
         if not bucket_rows:
+            if base["status"] != "ok":  # nothing measured: no bits or saving for a scheme that failed
+                base.update(bytes_per_token_formula=math.nan, effective_bits=math.nan)
+                saving = math.nan
+            else:
+                saving = ref_mem.formula / formula if mem and ref_mem else math.nan
             empty = {c: math.nan for c in metrics.SUMMARY_COLUMNS if c not in base}
             out.append(empty | base | dict(bucket="all", bucket_start=0, bucket_end=0, docs=0, tokens=0,
-                                           saving=ref_mem.formula / formula if mem and ref_mem else math.nan))
+                                           saving=saving))
             continue
         keys = sorted(bucket_rows)
         for key in [*keys, None]:

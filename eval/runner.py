@@ -1222,9 +1222,11 @@ def _write_outputs(
     """summary.csv, report.md and plots from everything results.jsonl holds (also after an interruption,
     then marked partial)."""
     summary = _summary(rows, schemes, model_config, config, run_dir)
+    names = config_json.get("scheme_names", {})
+    for r in summary:  # the report's names in summary.csv too (the reference as "fp32 (reference)")
+        r["name"] = names.get(r["scheme"], r["scheme"])
     res.write_summary(run_dir / "summary.csv", summary)
     info = plot_info(config_json, progress)
-    names = config_json.get("scheme_names", {})
     ref_name = names.get(REFERENCE, REFERENCE)
     scheme_list = ", ".join(
         f"`{names[s]}` (`{s}`)" if names.get(s, s) != s else f"`{s}`" for s in config_json["schemes"]

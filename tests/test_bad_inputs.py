@@ -564,6 +564,12 @@ def test_a_scheme_that_fails_during_the_run_makes_run_py_exit_non_zero(tmp_path,
     assert run.failed_schemes(tmp_path / "run") == [
         "int4-g32 (cache): RuntimeError: codebook table missing (simulated)"
     ]
+    import csv
+
+    summary = {r["scheme"]: r for r in csv.DictReader((tmp_path / "run" / "summary.csv").open())}
+    failed = summary["int4-g32"]
+    assert failed["status"] == "failed"
+    assert failed["saving"] in ("", "nan") and failed["effective_bits"] in ("", "nan")  # no saving claimed
 
 
 # ---- corpus files that cannot be read: refused with the file and the fix, at check time (no datasets)

@@ -52,6 +52,8 @@ def test_run_directory_files(finished, tiny_model):
     }
     ref = [r for r in rows if r["scheme"] == "fp16"]
     assert all(float(r["drift"]) == 0 and float(r["kl"]) == 0 and float(r["top1_agree"]) == 1 for r in ref)
+    report = (run_dir / "report.md").read_text()
+    assert {r["name"] for r in ref} == {"fp32 (reference)"} and "fp32 (reference)" in report  # one name
     q2 = [r for r in rows if r["scheme"] == "int2-g32" and r["bucket"] == "all"]
     assert all(float(r["drift"]) != 0 and float(r["kl"]) > 0 for r in q2)
     cache8 = next(r for r in rows if r["scheme"] == "int8" and r["mode"] == "cache" and r["bucket"] == "all")
