@@ -222,8 +222,8 @@ def _check_local_file(file: Path) -> None:
             raise CorpusError(f"corpus file {str(file)!r}: its first row is not JSON ({e.msg})") from None
         if not isinstance(row, dict) or not isinstance(row.get("text"), str):
             raise CorpusError(
-                f'corpus file {str(file)!r}: each JSON line must be an object with a "text" string, '
-                f"the first is {type(row).__name__} {str(row)[:60]!r}"
+                f"corpus file {str(file)!r}: each JSON line must be an object with a 'text' field "
+                f"(a string); the first is {type(row).__name__} {str(row)[:60]!r}"
             )
 
 

@@ -578,8 +578,8 @@ BAD_CORPORA = [
     ("c.txt", b"\x7fELF\x02\x01\x01\x00\x00\x00binary", "is binary"),
     ("c.txt", "caf\u00e9 au lait, na\u00efve\n".encode("latin-1"), "is not UTF-8"),
     ("c.jsonl", b'{"text": "ok"', "first row is not JSON"),
-    ("c.jsonl", b"[1, 2, 3]\n", 'object with a "text" string'),
-    ("c.jsonl", b'{"title": "no text"}\n', 'object with a "text" string'),
+    ("c.jsonl", b"[1, 2, 3]\n", "object with a 'text' field"),
+    ("c.jsonl", b'{"title": "no text"}\n', "object with a 'text' field"),
     ("c.jsonl", b"\n\n", "is empty"),
 ]
 

@@ -118,6 +118,16 @@ def test_serve_refuses_a_locked_directory(tmp_path):
 # ------------------------------------------------------------------------------------------ corrupt lines
 
 
+def _without_measured_memory(summary_csv: str) -> list[dict]:
+    """summary.csv rows without the columns the process measures (resident memory varies between runs)."""
+    import csv
+    import io
+
+    measured = ("mem_held_per_token", "mem_peak")
+    rows = csv.DictReader(io.StringIO(summary_csv))
+    return [{k: v for k, v in r.items() if k not in measured} for r in rows]
+
+
 def test_torn_last_line_is_measured_again_on_its_own_line(done, tmp_path, tiny_model, tiny_corpus, caplog):
     out = copy_run(done, tmp_path)
     lines = done[1].splitlines(keepends=True)
@@ -132,7 +142,8 @@ def test_torn_last_line_is_measured_again_on_its_own_line(done, tmp_path, tiny_m
     assert text.splitlines()[3] == lines[-1][:25]  # the torn text stays alone on its line ...
     rows = valid_rows(out / "results.jsonl")
     assert len(rows) == POINTS and len(text.splitlines()) == POINTS + 1  # ... and the point has its own
-    assert (out / "summary.csv").read_text() == done[2]
+    # the point measured again gives the same numbers; only the process's measured memory differs
+    assert _without_measured_memory((out / "summary.csv").read_text()) == _without_measured_memory(done[2])
     assert "partial" not in (out / "report.md").read_text()
 
 
