@@ -15,28 +15,11 @@ from kvquant.kernels.decode_attention import (
     decode_attention_ref,
     gather_region,
 )
-from kvquant.kernels.testing import make_paged_layer
+from kvquant.kernels.testing import DECODE_ATOL, check_decode, make_paged_layer, random_query
 
-ATOL = {torch.float16: 2e-4, torch.bfloat16: 2e-3, torch.float32: 2e-5}
-
-
-def query(layer, gqa: int, dtype, device, seed: int = 7) -> torch.Tensor:
-    b, h_kv, _, d = layer.shape
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(b, h_kv * gqa, 1, d, generator=g).to(dtype).to(device)
-
-
-def check(layer, q, dtype, **kw):
-    args = layer.decode_args()
-    out = decode_attention(q, *args, **kw)
-    kw.pop("num_splits", None)
-    ref32 = decode_attention_ref(q, *args, upcast=True, **kw)
-    ref = decode_attention_ref(q, *args, **kw)
-    assert out is not None and out.shape == ref32.shape and out.dtype == q.dtype
-    assert torch.isfinite(out).all()
-    err = (out.float() - ref32).abs().max().item()
-    bound = 2 * (ref.float() - ref32).abs().max().item() + ATOL[dtype]
-    assert err <= bound, f"error {err:.3g} > bound {bound:.3g}"
+ATOL = DECODE_ATOL
+query = random_query
+check = check_decode
 
 
 SPECS = [  # (K, V): every bit width and granularity, sym/asym, scale dtypes, dense bodies
