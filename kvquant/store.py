@@ -27,7 +27,6 @@ holds a free page; `check()` verifies them.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
@@ -46,7 +45,6 @@ __all__ = [
     "PagePool",
     "Region",
     "StoreError",
-    "effective_block_size",
     "gather_region",
 ]
 
@@ -411,11 +409,6 @@ class BlockTable:
                 self.pool.decref(page)
         self.rows = rows
         self._changed()
-
-
-def effective_block_size(block_size: int, *token_groups: int) -> int:
-    """The smallest multiple of block_size that holds whole token groups of every codec."""
-    return math.lcm(block_size, *token_groups)
 
 
 # ------------------------------------------------------------------------------------------ shared store
