@@ -133,50 +133,51 @@ import kvquant
 from kvquant.memprobe import MemoryProbe
 
 torch.set_num_threads(1)
-model = make_tiny_model(num_hidden_layers=8, hidden_size=128, intermediate_size=256, num_attention_heads=2,
+model = make_tiny_model(num_hidden_layers=16, hidden_size=128, intermediate_size=256, num_attention_heads=2,
                         num_key_value_heads=2, vocab_size=512, max_position_embeddings=4096)
 ids = torch.randint(1, 500, (1, 4096), generator=torch.Generator().manual_seed(0))
-makers = {"dynamic": lambda: DynamicCache(config=model.config)}
-for s in sys.argv[2:]:
-    makers[s] = lambda s=s: kvquant.QuantizedCache(s, model.config, backend="torch")
-out = {}
+name = sys.argv[2]
+make = (lambda: DynamicCache(config=model.config)) if name == "dynamic" else (
+    lambda: kvquant.QuantizedCache(name, model.config, backend="torch"))
+peaks, held = [], []
 with torch.no_grad():
-    for name, make in makers.items():
-        model(ids[:, :300], past_key_values=make(), use_cache=True)  # first use of each op, not probed
+    model(ids[:, :300], past_key_values=make(), use_cache=True)  # first use of each op, not probed
+    for _ in range(2):  # the lower of two peaks: allocator noise only ever adds
         cache = make()
         with MemoryProbe("cpu") as probe:
             model(ids, past_key_values=cache, use_cache=True)
-        out[name] = {"peak": probe.peak, "growth": probe.growth}
+        peaks.append(probe.peak)
+        held.append(probe.growth)
         del cache
-print(json.dumps(out))
+print(json.dumps({"peak": min(peaks), "growth": min(held)}))
 """
 
 
 def test_a_4k_prefill_peaks_below_dynamic_cache():
-    """Peak resident memory during one 4,096-token prefill (an 8-layer model whose K/V dominate, fp32, fresh
-    process, kvquant.memprobe): each kvquant scheme peaks below DynamicCache, which holds every layer's K/V,
-    while kvquant holds codes and one layer's temporaries at a time."""
+    """Peak resident memory during one 4,096-token prefill (a 16-layer model whose K/V dominate, fp32, one
+    fresh process per cache, the lower of two prefills, kvquant.memprobe): each kvquant scheme peaks below
+    DynamicCache, which holds every layer's K/V, while kvquant holds codes and one layer's temporaries."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    pytest.importorskip("kvquant.memprobe")
     from kvquant.memprobe import MemoryProbeError, rss_bytes
 
     try:
         rss_bytes()
     except MemoryProbeError as e:
         pytest.skip(f"resident memory cannot be read here: {e}")
-    schemes = ["int4-g64", "kivi-2"]
     tests = str(Path(__file__).resolve().parent)
-    argv = [sys.executable, "-c", _PEAK_SCRIPT, tests, *schemes]
-    run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
-    dense = 2 * 8 * 2 * 64 * 4096 * 4  # the dynamic cache's K/V: 32 MiB
-    assert got["dynamic"]["growth"] > dense * 0.8  # the probe sees the dynamic cache it holds
+    got = {}
+    for name in ("dynamic", "int4-g64", "kivi-2"):
+        argv = [sys.executable, "-c", _PEAK_SCRIPT, tests, name]
+        run = subprocess.run(argv, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-2000:]
+        got[name] = json.loads(run.stdout.strip().splitlines()[-1])
     print(json.dumps(got))  # measured, for the record (-s shows it)
-    for s in schemes:
+    dense = 2 * 16 * 2 * 64 * 4096 * 4  # the dynamic cache's K/V: 64 MiB
+    assert got["dynamic"]["growth"] > dense * 0.8  # the probe sees the dynamic cache it holds
+    for s in ("int4-g64", "kivi-2"):
         assert got[s]["peak"] < got["dynamic"]["peak"], (s, got)
         assert got[s]["growth"] < got["dynamic"]["growth"] / 3, (s, got)
