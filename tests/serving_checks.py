@@ -34,3 +34,12 @@ class Engines:
 def ids(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(1, 5000, (n,), generator=g).tolist()
+
+
+def same_attention_inputs(a, b) -> None:
+    """Two caches hold, layer by layer, bit-identical decoded K/V in the same shape (float64 decode)."""
+    for la, lb in zip(a.layers, b.layers, strict=True):
+        va, vb = la.view(), lb.view()
+        assert va.shape == vb.shape
+        assert torch.equal(va.keys(torch.float64), vb.keys(torch.float64))
+        assert torch.equal(va.values(torch.float64), vb.values(torch.float64))

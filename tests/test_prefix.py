@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from serving_checks import Engines, ids
+from serving_checks import Engines, ids, same_attention_inputs
 from tiny_models import make_tiny_model
 
 import kvquant
@@ -43,14 +43,6 @@ def _reference(model, prompt: list[int], cut: int, steps: list[int], scheme: str
     return cache, out
 
 
-def _same_attention_inputs(a, b) -> None:
-    for la, lb in zip(a.layers, b.layers, strict=True):
-        va, vb = la.view(), lb.view()
-        assert va.shape == vb.shape
-        assert torch.equal(va.keys(torch.float64), vb.keys(torch.float64))
-        assert torch.equal(va.values(torch.float64), vb.values(torch.float64))
-
-
 @pytest.mark.parametrize("index", ["hash", "radix"])
 @pytest.mark.parametrize("scheme", SCHEMES)
 def test_hit_is_bit_identical_to_recompute(engines, model64, scheme, index):
@@ -70,7 +62,7 @@ def test_hit_is_bit_identical_to_recompute(engines, model64, scheme, index):
     got = [engine.step(cb, t) for t in steps]
     for x, y in zip(got, ref[1:], strict=True):
         assert torch.equal(x, y)
-    _same_attention_inputs(cb, ref_cache)
+    same_attention_inputs(cb, ref_cache)
     engine.close(ca, a)
     engine.close(cb, b + steps)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
-from serving_checks import Engines, ids
+from serving_checks import Engines, ids, same_attention_inputs
 from tiny_models import make_tiny_model
 
 import kvquant
@@ -71,14 +71,6 @@ def _recomputed(model, scheme: str, block_size: int, prompt: list[int], cuts: li
     for lo, hi in zip([0, *cuts], [*cuts, len(prompt)], strict=True):
         out = model(torch.tensor([prompt[lo:hi]]), cache=cache, logits_to_keep=1)
     return out.logits[0, -1]
-
-
-def _same_attention_inputs(a, b) -> None:
-    for la, lb in zip(a.layers, b.layers, strict=True):
-        va, vb = la.view(), lb.view()
-        assert va.shape == vb.shape
-        assert torch.equal(va.keys(torch.float64), vb.keys(torch.float64))
-        assert torch.equal(va.values(torch.float64), vb.values(torch.float64))
 
 
 def _feed(engine: Engine, cache, prompt: list[int], how: str, cuts: list[int]) -> list[int]:
@@ -139,7 +131,7 @@ def test_every_hit_is_bit_identical_to_a_recompute_or_not_taken(
     event(f"{'hit' if r > sink else 'no hit past the sink'}, {'window' if window else 'no window'}, {how}")
     ref_cache, ref = _replayed(model64, scheme, block_size, source, r, b[r:])
     assert torch.equal(pre.logits, ref), f"hit of {r} tokens differs by {(pre.logits - ref).abs().max()}"
-    _same_attention_inputs(cb, ref_cache)
+    same_attention_inputs(cb, ref_cache)
     if r == 0 or r in ends:  # the same forwards up to the hit: a plain recompute gives the same bits
         again = _recomputed(model64, scheme, block_size, b, [c for c in ends if c < r])
         assert torch.equal(pre.logits, again)
