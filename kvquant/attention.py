@@ -27,6 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .backend import ATTN_IMPLEMENTATION
 from .cache import LayerView
+from .codec import PageRead, page_rows, split_region
 from .store import Region
 
 __all__ = [
@@ -106,6 +107,8 @@ def reference_attention(
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
     scale = scaling if scaling is not None else d**-0.5
     masks = _Masks(query, view, attention_mask)
+    if q <= _DIRECT_QUERIES and masks.ends is None:  # decoding: every key is read as stored
+        return _two_pass(query, view, masks, scale, work, stream_tokens)
     state = _Merge(b, hq, q, d, work, query.device)
     tiled = q > _DIRECT_QUERIES
     rotated: dict[int, torch.Tensor] = {}  # the query in each key frame, rotated once per call
@@ -125,6 +128,75 @@ def reference_attention(
                 out, lse = _direct(qs, seg, mask, scale, work)
                 state.add(back(out) if back is not None else out, lse)
     return state.result().transpose(1, 2).contiguous().to(query.dtype)  # (B, q, H_q, D)
+
+
+def _two_pass(
+    query: torch.Tensor, view: LayerView, masks: _Masks, scale: float, work: torch.dtype, stream_tokens: int
+) -> torch.Tensor:
+    """A few queries that read every key as stored (decoding): the scores of all keys first (a layer's
+    scores are small: (B, H_q, q, T)), one softmax, then the values into the output. The codec streams
+    the body (`Codec.score_pages` / `value_pages`: `stream_tokens` keys at a time, decoded or, for affine
+    codes, unpacked and scaled in the product, into one scratch buffer reused for keys and values), so no
+    (B, H_kv, T, D) tensor is made and no running maximum is merged: (B, q, H_q, D)."""
+    b, hq, q, d = query.shape
+    hkv = view.shape[1]
+    g = hq // hkv
+    qw = query.to(work).reshape(b, hkv, g * q, d)  # (B, H_kv, g*q, D): query heads of a KV head together
+    kf, vf = view.key_codec.read_frame(query.device), view.value_codec.read_frame(query.device)
+    kc, vc = (kf.codec if kf else view.key_codec), (vf.codec if vf else view.value_codec)
+    q_body = kf.into(qw) if kf is not None else qw  # the query in the keys' frame (R q for rotated keys)
+    tokens = min(view.body.length, max(1, stream_tokens // view.block_size) * view.block_size)
+    read = PageRead(stream_tokens, torch.empty(b * hkv * (tokens + view.block_size) * d, device=query.device))
+    regions = _regions(view)
+    parts = []
+    for kind, col, region in regions:  # pass 1: scores (B, H_kv, g * q, n) per region
+        if kind == "body":
+            s = kc.score_pages(q_body, view.key_pages, region, read)
+        else:
+            s = torch.matmul(qw, _fp_rows(view.fp_k, region, work).transpose(-1, -2))
+        s.mul_(scale)
+        visible, mask = masks.tile(slice(0, q), col, region.length, None)
+        s5 = s.view(b, hkv, g, q, region.length)
+        if not visible:
+            s5.fill_(float("-inf"))
+        elif mask is not None:
+            if mask.dtype == torch.bool:
+                s5.masked_fill_(~mask.unsqueeze(2), float("-inf"))
+            else:
+                s5.add_(mask.unsqueeze(2).to(work))
+        parts.append(s)
+    scores = torch.cat(parts, dim=-1) if len(parts) > 1 else parts[0]  # (B, H_kv, g * q, T)
+    mx = scores.amax(dim=-1, keepdim=True)
+    base = torch.where(torch.isfinite(mx), mx, torch.zeros_like(mx))  # all masked: no NaN
+    p = scores.sub_(base).exp_()
+    total = p.sum(dim=-1, keepdim=True)
+    out = None
+    for kind, col, region in regions:  # pass 2: values
+        w = p[..., col : col + region.length]
+        if kind == "body":
+            o = vc.value_pages(w, view.value_pages, region, read)
+            if vf is not None and vf.signs is not None:  # values stored as R v: rotate their sum back once
+                o = vf.out_of(o.view(b, hq, q, d)).view(b, hkv, g * q, d)
+        else:
+            o = torch.matmul(w, _fp_rows(view.fp_v, region, work))
+        out = o if out is None else out.add_(o)
+    if out is None:
+        out = torch.zeros((b, hkv, g * q, d), dtype=work, device=query.device)
+    out.div_(total.clamp_min(torch.finfo(work).tiny))
+    return out.view(b, hq, q, d).transpose(1, 2).contiguous().to(query.dtype)  # (B, q, H_q, D)
+
+
+def _regions(view: LayerView) -> list[tuple[str, int, Region]]:
+    """(kind, first column, region) of the view's non-empty regions in column order: the FP sink, the
+    body, the FP window."""
+    sink_n, body_n = view.sink.length, view.body.length
+    out = [("fp", 0, view.sink), ("body", sink_n, view.body), ("fp", sink_n + body_n, view.recent)]
+    return [r for r in out if r[2].length]
+
+
+def _fp_rows(pool: torch.Tensor, region: Region, work: torch.dtype) -> torch.Tensor:
+    """FP keys or values of a sink or window region, (B, H_kv, n, D) in the working dtype."""
+    return page_rows(pool, region.table)[:, :, region.offset : region.offset + region.length].to(work)
 
 
 _DIRECT_QUERIES = 16  # up to this many queries are scored directly; more go through the fused kernel in tiles
@@ -190,19 +262,44 @@ def _tiles(
         visible, tile = masks.tile(rows, seg.col, seg.key.shape[2], seg.fresh)  # (B or 1, 1, r, n) or None
         if not visible:
             continue  # hidden: the causal upper triangle, or keys a query saw in another copy
-        float_mask, empty_rows = None, None
-        if tile is not None and tile.dtype == torch.bool:
-            if not bool(tile.all()):
-                float_mask = torch.zeros(tile.shape, dtype=query.dtype, device=query.device)
-                float_mask.masked_fill_(~tile, float("-inf"))
-                empty_rows = ~tile.any(dim=-1)  # (B or 1, 1, r): the kernel gives them lse 0, not -inf
-        elif tile is not None:
-            float_mask = tile.to(query.dtype)
-            empty_rows = ~torch.isfinite(tile).any(dim=-1)
-        out, lse = _FLASH_CPU(query[:, :, rows], k, v, 0.0, False, attn_mask=float_mask, scale=scale)
-        if empty_rows is not None:
-            lse = lse.masked_fill(empty_rows, float("-inf"))
-        state.add(back(out) if back is not None else out, lse, rows)
+        for lo, hi, part in _spans(tile, seg.key.shape[2]):
+            float_mask, empty_rows = None, None
+            if part is not None and part.dtype == torch.bool:
+                float_mask = torch.zeros(part.shape, dtype=query.dtype, device=query.device)
+                float_mask.masked_fill_(~part, float("-inf"))
+                empty_rows = ~part.any(dim=-1)  # (B or 1, 1, r): the kernel gives them lse 0, not -inf
+            elif part is not None:
+                float_mask = part.to(query.dtype)
+                empty_rows = ~torch.isfinite(part).any(dim=-1)
+            kv = (k[:, :, lo:hi], v[:, :, lo:hi])
+            out, lse = _FLASH_CPU(query[:, :, rows], *kv, 0.0, False, attn_mask=float_mask, scale=scale)
+            if empty_rows is not None:
+                lse = lse.masked_fill(empty_rows, float("-inf"))
+            state.add(back(out) if back is not None else out, lse, rows)
+
+
+_SPLIT_COLUMNS = 64  # a fully visible run of at least this many leading key columns runs without a mask
+
+
+def _spans(tile: torch.Tensor | None, n: int) -> list[tuple[int, int, torch.Tensor | None]]:
+    """(first column, end column, mask or None) of the parts of one tile worth a kernel call each: the
+    columns no query of the tile attends to are cut off both ends, and a leading run that every query
+    attends to wholly (below a band or the diagonal) is split off to run unmasked. A float mask (the
+    model's) is used as it is."""
+    if tile is None:
+        return [(0, n, None)]
+    if tile.dtype != torch.bool:
+        return [(0, n, tile)]
+    seen = tile.any(dim=-2).any(dim=0).reshape(n)  # (n,): some query attends to the column
+    idx = torch.nonzero(seen)
+    lo, hi = int(idx[0]), int(idx[-1]) + 1
+    full = tile[..., lo:hi].all(dim=-2).all(dim=0).reshape(hi - lo)  # (hi - lo,): every query attends
+    lead = int(full.int().cumprod(0).sum())  # columns lo .. lo + lead - 1 are fully visible
+    if lead == hi - lo:
+        return [(lo, hi, None)]
+    if lead >= _SPLIT_COLUMNS:
+        return [(lo, lo + lead, None), (lo + lead, hi, tile[..., lo + lead : hi])]
+    return [(lo, hi, tile[..., lo:hi])]
 
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, logsumexp)
@@ -305,7 +402,7 @@ def _segments(view: LayerView, masks: _Masks, work: torch.dtype, stream_tokens: 
     device = masks.device
     kf, vf = view.key_codec.read_frame(device), view.value_codec.read_frame(device)
     kc, vc = (kf.codec if kf else view.key_codec), (vf.codec if vf else view.value_codec)
-    for sub, off in _chunks(view.body, view.block_size, stream_tokens):
+    for sub, off in split_region(view.body, view.block_size, stream_tokens):
         c0 = sink_n + off
         k = _decode(kc, view.key_pages, sub, work)  # in R's frame for a rotated codec: no R^T per token
         v = _decode(vc, view.value_pages, sub, work)
@@ -317,54 +414,17 @@ def _segments(view: LayerView, masks: _Masks, work: torch.dtype, stream_tokens: 
         yield _Segment(view.fresh_k.to(work), view.fresh_v.to(work), f0, "copy")
 
 
-def _chunks(region: Region, block_size: int, tokens: int) -> Iterator[tuple[Region, int]]:
-    """Sub-regions of whole pages holding at most about `tokens` tokens, with each one's first token's index
-    in the region."""
-    per = max(1, tokens // block_size)  # pages per chunk
-    pages = region.table.shape[1]
-    done = 0
-    for j0 in range(0, pages, per):
-        j1 = min(pages, j0 + per)
-        offset = region.offset if j0 == 0 else 0
-        n = min(region.length - done, (j1 - j0) * block_size - offset)
-        if n <= 0:
-            break
-        yield Region(region.table[:, j0:j1], offset, n, region.start + done), done
-        done += n
-
-
-def _gather(pages: dict[str, torch.Tensor], fields, region: Region) -> dict[str, torch.Tensor]:
-    """Fields of a region's tokens {name: (B, heads_f, rows, cols)} gathered from pool tensors (P, heads_f,
-    rows_per_page, cols): a copy of just these pages."""
-    out = {}
-    table = region.table
-    for name, pool in pages.items():
-        tokens = fields[name].tokens
-        t = pool[table.to(pool.device)]  # (B, n, heads_f, rows_per_page, cols)
-        bsz, n, h, rpp, c = t.shape
-        rows = t.transpose(1, 2).reshape(bsz, h, n * rpp, c)
-        out[name] = rows[:, :, region.offset // tokens : (region.offset + region.length) // tokens]
-    return out
-
-
-def _decode(codec, pages: dict[str, torch.Tensor], region: Region, work: torch.dtype) -> torch.Tensor:
-    """One block of body tokens decoded by its codec (position-aware: pre-RoPE keys), (B, H_kv, n, D)."""
-    return codec.decode_at(_gather(pages, codec.fields(), region), region.start, work)
+def _decode(
+    codec, pages: dict[str, torch.Tensor], region: Region, work: torch.dtype, buf: torch.Tensor | None = None
+) -> torch.Tensor:
+    """One block of body tokens decoded by its codec (position-aware: pre-RoPE keys), (B, H_kv, n, D);
+    `buf` a flat fp32 scratch the codec may decode into (the result is then a view of it)."""
+    return codec.decode_pages(pages, region, work, buf)
 
 
 def _fp_region(view: LayerView, region: Region, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """FP keys and values of a sink or window region, (B, H_kv, n, D) each in the working dtype."""
-    fields = {"k": _FP_FIELD, "v": _FP_FIELD}
-    got = _gather({"k": view.fp_k, "v": view.fp_v}, fields, region)
-    return got["k"].to(work), got["v"].to(work)
-
-
-@dataclass(frozen=True)
-class _OneTokenRows:
-    tokens: int = 1
-
-
-_FP_FIELD = _OneTokenRows()
+    return _fp_rows(view.fp_k, region, work), _fp_rows(view.fp_v, region, work)
 
 
 def register_attention() -> None:

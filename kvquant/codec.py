@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .packing import pack, packed_size, unpack
+from .packing import pack, packed_size, unpack, unpack_into
 from .scheme import CALIBRATE_COMMAND, Granularity, QuantSpec, SchemeError, parse_spec
 
 __all__ = [
@@ -50,8 +50,12 @@ __all__ = [
     "DenseCodec",
     "Field",
     "KernelLayout",
+    "PageRead",
     "block_extent",
     "codec_for",
+    "gather_region",
+    "page_rows",
+    "split_region",
     "torch_dtype",
 ]
 
@@ -159,6 +163,62 @@ class KernelLayout:
     shared_heads: bool = False
 
 
+def page_rows(pool: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """The rows of the pages `table` (B, n) names, from a pool tensor (P, heads_f, rows, cols): a copy,
+    (B, heads_f, n * rows, cols), whole pages in table order."""
+    bsz, n = table.shape
+    got = pool.index_select(0, table.reshape(-1).to(pool.device))  # (B * n, heads_f, rows, cols)
+    _, h, rows, cols = got.shape
+    return got.view(bsz, n, h, rows, cols).transpose(1, 2).reshape(bsz, h, n * rows, cols)
+
+
+def gather_region(
+    pages: Mapping[str, torch.Tensor], fields: Mapping[str, Field], region
+) -> dict[str, torch.Tensor]:
+    """A region's fields {name: (B, heads_f, length // tokens_f, cols_f)} from the pool tensors (P, heads_f,
+    rows_per_page, cols): a copy of just its pages. `region` is a `kvquant.store.Region` (table (B, n_pages),
+    offset, length, start)."""
+    out = {}
+    for name, pool in pages.items():
+        tokens = fields[name].tokens
+        rows = page_rows(pool, region.table)
+        out[name] = rows[:, :, region.offset // tokens : (region.offset + region.length) // tokens]
+    return out
+
+
+@dataclass(frozen=True)
+class PageRead:
+    """How `Codec.score_pages` / `value_pages` stream a region: `tokens` keys decoded at a time (whole
+    pages), into `buffer`, a flat fp32 scratch tensor reused by every block (None: allocated per call)."""
+
+    tokens: int = 1024
+    buffer: torch.Tensor | None = None
+    native: bool = True  # False: the PyTorch twin even where kvquant.native's ops serve
+
+    def block_size(self, pages: Mapping[str, torch.Tensor], codec: Codec) -> int:
+        """Tokens per page of the pool tensors `pages` (the first field's rows times its tokens per row)."""
+        name, field = next(iter(codec.fields().items()))
+        return pages[name].shape[2] * field.tokens
+
+
+def split_region(region, block_size: int, tokens: int):
+    """(sub-region, index of its first token in the region) over whole pages of at most about `tokens`
+    tokens, as even as whole pages allow (no one-token tail block)."""
+    pages = region.table.shape[1]
+    most = max(1, tokens // block_size)  # pages per block at most
+    per = -(-pages // -(-pages // most)) if pages else most
+    done = 0
+    for j0 in range(0, pages, per):
+        j1 = min(pages, j0 + per)
+        offset = region.offset if j0 == 0 else 0
+        n = min(region.length - done, (j1 - j0) * block_size - offset)
+        if n <= 0:
+            break
+        yield dataclasses.replace(region, table=region.table[:, j0:j1], offset=offset, length=n,
+                                  start=region.start + done), done
+        done += n
+
+
 class Codec(ABC):
     """Encodes (B, H_kv, T, D) K or V into named fields and decodes them back, for one spec and shape."""
 
@@ -202,6 +262,43 @@ class Codec(ABC):
     ) -> torch.Tensor:
         """`decode` of tokens at positions start .. (position-dependent codecs use it)."""
         return self.decode(fields, dtype)
+
+    def decode_pages(
+        self, pages: Mapping[str, torch.Tensor], region, dtype: torch.dtype, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The tokens of `region` (a `kvquant.store.Region`) decoded from the pool tensors {name: (P,
+        heads_f, rows_per_page, cols)}: (B, H, region.length, D) in dtype, what `decode_at` gives for the
+        gathered fields. `out`, a flat fp32 scratch tensor, may serve as the working buffer (a codec that
+        decodes in place uses it; the result may then be a view of it, valid until it is reused)."""
+        return self.decode_at(gather_region(pages, self.fields(), region), region.start, dtype)
+
+    def score_pages(
+        self, q: torch.Tensor, pages: Mapping[str, torch.Tensor], region, read: PageRead = None
+    ) -> torch.Tensor:
+        """q (B, H, m, D) against the keys of `region`: (B, H, m, region.length), q . k in q's dtype, as
+        `q @ decode_pages(...)^T` computes it, block by block (`read`). A codec may fold its scales into
+        the product instead of decoding (AffineCodec)."""
+        read = read or PageRead()
+        parts = [
+            torch.matmul(q, self.decode_pages(pages, sub, q.dtype, read.buffer).transpose(-1, -2))
+            for sub, _ in split_region(region, read.block_size(pages, self), read.tokens)
+        ]
+        return torch.cat(parts, dim=-1) if len(parts) != 1 else parts[0]
+
+    def value_pages(
+        self, p: torch.Tensor, pages: Mapping[str, torch.Tensor], region, read: PageRead = None
+    ) -> torch.Tensor:
+        """Weights p (B, H, m, region.length) over the values of `region`: (B, H, m, D), `p @ decode_pages`,
+        block by block (`read`)."""
+        read = read or PageRead()
+        out = None
+        for sub, off in split_region(region, read.block_size(pages, self), read.tokens):
+            v = self.decode_pages(pages, sub, p.dtype, read.buffer)
+            o = torch.matmul(p[..., off : off + sub.length], v)
+            out = o if out is None else out.add_(o)
+        if out is None:
+            return p.new_zeros((*p.shape[:3], self.head_dim))
+        return out
 
     def bind(self, *, layer: int | None, role: str | None, calib, spec: QuantSpec) -> None:
         """Take this layer's calibrated tables (codebooks) from `calib`; most codecs have none."""
@@ -278,6 +375,148 @@ class AffineCodec(Codec):
         shape = torch.Size((*codes.shape[:3], self.head_dim))
         q = QTensor(codes, fields["scale"], fields.get("zero"), self.spec, shape, self.dtype)
         return dequantize(q, dtype)
+
+    def decode_pages(
+        self, pages: Mapping[str, torch.Tensor], region, dtype: torch.dtype, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """`decode` of a region, page-major: each page's codes are unpacked straight into their tokens' rows
+        of one fp32 buffer (B, H, pages * block_size, D), then scaled and shifted in place, with dequantize's
+        arithmetic (so bit for bit its values), and the region's tokens sliced out. No int64 index tensors,
+        no (B, H, T, D) temporary but the buffer itself."""
+        table = region.table
+        bsz, n = table.shape
+        codes = pages["codes"].index_select(0, table.reshape(-1).to(pages["codes"].device))
+        rows = codes.shape[2]  # tokens per page
+        numel = bsz * self.heads * n * rows * self.head_dim
+        if out is None or out.numel() < numel or out.dtype != torch.float32:
+            out = torch.empty(numel, dtype=torch.float32, device=codes.device)
+        values = out[:numel].view(bsz, self.heads, n * rows, self.head_dim)  # (B, H, pages * bs, D)
+        by_page = values.view(bsz, self.heads, n, rows, self.head_dim).transpose(1, 2)  # (B, n, H, bs, D)
+        unpack_into(codes.view(bsz, n, self.heads, rows, codes.shape[-1]), self.spec.bits, by_page)
+        spec = self.spec
+        if spec.symmetric:
+            values.sub_(1 << (spec.bits - 1)).div_(spec.qmax)
+        blocks, scale = self.extent.broadcast(values, page_rows(pages["scale"], table).float())
+        blocks.mul_(scale)
+        if not spec.symmetric:
+            blocks.add_(self.extent.broadcast(values, page_rows(pages["zero"], table).float())[1])
+        got = values[:, :, region.offset : region.offset + region.length]  # (B, H, length, D)
+        return got if dtype == torch.float32 else got.to(dtype)
+
+    def _folds(self, dtype: torch.dtype) -> bool:
+        """Whether score_pages / value_pages fold the scales into the products: fp32 work, one token per
+        block (not channel-wise), and groups of whole bytes."""
+        e = self.extent
+        return dtype == torch.float32 and e.tokens == 1 and (e.channels * self.spec.bits) % 8 == 0
+
+    def _native(self, x: torch.Tensor, read: PageRead):
+        """kvquant.native's ops when they serve this call (fp32 on the CPU, built, no autograd), else None."""
+        if not read.native or x.dtype != torch.float32 or x.device.type != "cpu":
+            return None
+        if x.requires_grad and torch.is_grad_enabled():
+            return None
+        from . import native
+
+        return native.ops()
+
+    def _stat_rows(self, pages: Mapping[str, torch.Tensor], table: torch.Tensor):
+        """The factor and offset (B, H_f, pages * rows, n_groups) fp32, one row per block of tokens, that turn
+        code c into A c + Z over the pages of `table`: dequantize's arithmetic, reassociated."""
+        a = page_rows(pages["scale"], table).float()
+        if self.spec.symmetric:  # ((c - 2^(b-1)) / qmax) s
+            a = a / self.spec.qmax
+            return a, a * -float(1 << (self.spec.bits - 1))
+        return a, page_rows(pages["zero"], table).float()  # c s + zero
+
+    def _fold_stats(self, pages: Mapping[str, torch.Tensor], region) -> tuple[torch.Tensor, torch.Tensor]:
+        """`_stat_rows` of the region's tokens (one token per row: not channel-wise), (B, H_f, length, G)."""
+        a, z = self._stat_rows(pages, region.table)
+        span = slice(region.offset, region.offset + region.length)
+        return a[:, :, span], z[:, :, span]
+
+    def _native_call(self, op, x: torch.Tensor, pages, region, *extra) -> torch.Tensor:
+        a, z = self._stat_rows(pages, region.table)
+        table = region.table.to(x.device).contiguous()
+        stats = (a.contiguous(), z.contiguous())
+        return op(x.contiguous(), pages["codes"], table, *stats, region.offset, *extra, self.spec.bits,
+                  self.extent.tokens)
+
+    def _code_blocks(self, pages: Mapping[str, torch.Tensor], region, read: PageRead):
+        """(first token, tokens, codes (B, H, n_groups, tokens, G) fp32 unscaled) per block of the region:
+        each block's pages unpacked into one reused buffer, page by page."""
+        table = region.table
+        bsz, n = table.shape
+        h, d, g = self.heads, self.head_dim, self.extent.channels
+        ng = d // g
+        pool = pages["codes"]
+        codes = pool.index_select(0, table.reshape(-1).to(pool.device)).view(bsz, n, h, pool.shape[2], -1)
+        bs = pool.shape[2]
+        for sub, off in split_region(region, bs, read.tokens):
+            j0 = (region.offset + off) // bs  # first page of the block
+            k = sub.table.shape[1]
+            numel = bsz * h * k * bs * d
+            buf = read.buffer
+            if buf is None or buf.numel() < numel or buf.dtype != torch.float32:
+                buf = torch.empty(numel, dtype=torch.float32, device=pool.device)
+            c = buf[:numel].view(bsz, h, ng, k * bs, g)  # (B, H, n_groups, pages * bs, G)
+            dst = c.view(bsz, h, ng, k, bs, g).permute(0, 3, 1, 4, 2, 5)  # (B, k, H, bs, n_groups, G)
+            unpack_into(codes[:, j0 : j0 + k].view(bsz, k, h, bs, ng, -1), self.spec.bits, dst)
+            yield off, sub.length, c[:, :, :, sub.offset : sub.offset + sub.length]
+
+    def score_pages(
+        self, q: torch.Tensor, pages: Mapping[str, torch.Tensor], region, read: PageRead = None
+    ) -> torch.Tensor:
+        """q . (A c + Z) = A (q . c) + Z sum(q), group by group: the codes are unpacked but never scaled."""
+        read = read or PageRead()
+        native = self._native(q, read)
+        if native is not None:  # any granularity: statistics per row of te tokens
+            return self._native_call(native.affine_scores, q, pages, region, region.length)
+        if not self._folds(q.dtype):
+            return super().score_pages(q, pages, region, read)
+        a, z = self._fold_stats(pages, region)
+        bsz, h, m, d = q.shape
+        ng = d // self.extent.channels
+        qg = q.reshape(bsz, h, m, ng, d // ng)
+        s = q.new_empty((bsz, h, m, region.length))
+        for off, n, c in self._code_blocks(pages, region, read):
+            if ng == 1:
+                s[..., off : off + n] = torch.matmul(q, c[:, :, 0].transpose(-1, -2))
+            else:
+                parts = torch.matmul(qg.transpose(2, 3), c.transpose(-1, -2))  # (B, H, n_groups, m, n)
+                a_t = a[:, :, off : off + n].permute(0, 1, 3, 2).unsqueeze(3)  # (B, H_f, n_groups, 1, n)
+                s[..., off : off + n] = (parts * a_t).sum(2)
+        qsum = qg.sum(-1)  # (B, H, m, n_groups)
+        if ng == 1:
+            return s.mul_(a.transpose(-1, -2)).add_(qsum * z.transpose(-1, -2))
+        return s.add_(torch.matmul(qsum, z.transpose(-1, -2)))
+
+    def value_pages(
+        self, p: torch.Tensor, pages: Mapping[str, torch.Tensor], region, read: PageRead = None
+    ) -> torch.Tensor:
+        """sum_t p_t (A_t c_t + Z_t) = (p A) @ c + p @ Z, group by group."""
+        read = read or PageRead()
+        native = self._native(p, read)
+        if native is not None:
+            return self._native_call(native.affine_values, p, pages, region)
+        if not self._folds(p.dtype):
+            return super().value_pages(p, pages, region, read)
+        a, z = self._fold_stats(pages, region)
+        bsz, h, m, _ = p.shape
+        ng, g = self.head_dim // self.extent.channels, self.extent.channels
+        if ng == 1:
+            w = p * a.transpose(-1, -2)  # (B, H, m, length)
+        else:
+            w = p.unsqueeze(2) * a.permute(0, 1, 3, 2).unsqueeze(3)  # (B, H, n_groups, m, length)
+        o = p.new_zeros((bsz, h, m, self.head_dim) if ng == 1 else (bsz, h, ng, m, g))
+        for off, n, c in self._code_blocks(pages, region, read):
+            if ng == 1:
+                o.add_(torch.matmul(w[..., off : off + n], c[:, :, 0]))
+            else:
+                o.add_(torch.matmul(w[..., off : off + n], c))  # (B, H, n_groups, m, G)
+        bias = torch.matmul(p, z)  # (B, H, m, n_groups)
+        if ng == 1:
+            return o.add_(bias)
+        return o.add_(bias.transpose(2, 3).unsqueeze(-1)).transpose(2, 3).reshape(bsz, h, m, ng * g)
 
     def kernel_layout(self) -> KernelLayout:
         e = self.extent

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["pack", "unpack", "packed_size"]
+__all__ = ["pack", "unpack", "unpack_into", "packed_size"]
 
 
 def _per_byte(bits: int) -> int:
@@ -74,6 +74,27 @@ def unpack(packed: torch.Tensor, bits: int, n: int | None = None) -> torch.Tenso
     parts = [packed & mask, *middle, packed >> (8 - bits)]
     codes = torch.stack(parts, dim=-1)  # (..., n_bytes, per)
     return codes.reshape(*packed.shape[:-1], full)[..., :n]
+
+
+def unpack_into(packed: torch.Tensor, bits: int, out: torch.Tensor) -> torch.Tensor:
+    """`unpack` written straight into `out` (..., n_bytes * 8 // bits), any dtype and strides (a view into a
+    page-major or transposed buffer): the codes converted to out's dtype, with no uint8 temporary for the
+    first and last code of each byte. 2, 4 and 8 bits (3-bit words go through `unpack`)."""
+    per = _per_byte(bits)
+    if packed.dtype != torch.uint8:
+        raise TypeError(f"packed codes must be uint8, got {packed.dtype}")
+    if bits == 3 or out.shape[-1] != packed.shape[-1] * per:
+        out.copy_(unpack(packed, bits, out.shape[-1]))
+        return out
+    if per == 1:
+        return out.copy_(packed)
+    dst = out.unflatten(-1, (packed.shape[-1], per))  # (..., n_bytes, per): a view, no copy
+    mask = (1 << bits) - 1
+    torch.bitwise_and(packed, mask, out=dst[..., 0])
+    for i in range(1, per - 1):
+        dst[..., i].copy_((packed >> (bits * i)) & mask)
+    torch.bitwise_right_shift(packed, 8 - bits, out=dst[..., per - 1])
+    return out
 
 
 def _pack3(codes: torch.Tensor) -> torch.Tensor:
