@@ -12,9 +12,10 @@ and registers its complete units (after every prefill chunk, and when it ends) s
 The engine records what it ran through each cache (token ids, where each forward ended): ids given to
 `close` or `register` must be the tokens the cache holds, and the forward ends tell the index which FP
 window copies are whole.
-The eviction policy (`kvquant.evict`) frees cached units when an allocation would exceed the budget, and
-trims running sequences after every forward (`sliding:W`). All requests run one at a time through the model
-(no batching); they hold pages concurrently, which is what the budget measures.
+The store holds the prefix index, the eviction policy and the byte budget beside its pools: an allocation
+that would exceed the budget evicts cached units in the policy's order (`kvquant.paging.budget`); the engine
+only asks the policy to trim running sequences after every forward (`sliding:W`). All requests run one at a
+time through the model (no batching); they hold pages concurrently, which is what the budget measures.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import QuantizedCache
-from .evict import EvictionPolicy, NoEviction, RadixLRU, make_policy
-from .prefix import Hit, PrefixIndex, attach, make_index, register
+from .evict import EvictionPolicy
+from .prefix import Hit, PrefixIndex, attach, register
 from .store import KVStore
 
 __all__ = ["Engine", "Prefill", "Session", "cache_bytes"]
@@ -40,13 +41,7 @@ logger = logging.getLogger(__name__)
 
 def cache_bytes(store: KVStore, cache: QuantizedCache) -> int:
     """Bytes of the distinct pages one cache holds, at the store's accounting dtype (shared ones too)."""
-    tables = []
-    for layer in cache.layers:
-        if layer.is_initialized:
-            tables.append(([layer.sink_t, layer.recent_t], [layer.body_t]))
-        else:
-            tables.append(([], []))
-    return store.tables_bytes(tables)
+    return store.caches_bytes([cache])
 
 
 @dataclass(frozen=True)
@@ -132,20 +127,15 @@ class Engine:
             block_size=block_size,
             capacity_tokens=capacity_tokens,
             budget_bytes=budget_bytes,
+            prefix_cache=prefix_cache,
+            policy=policy,
         )
         self.scheme = self.store.scheme
-        self.index: PrefixIndex | None = make_index(prefix_cache, self.store) if prefix_cache else None
-        self.policy = make_policy(policy)
-        if isinstance(self.policy, RadixLRU) and (self.index is None or self.index.kind != "radix"):
-            raise ValueError("the radix-lru policy evicts radix-tree leaves: use prefix_cache='radix'")
+        self.index: PrefixIndex | None = self.store.index
+        self.policy: EvictionPolicy = self.store.policy
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be a positive number of tokens, got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
-        if self.index is not None and not isinstance(self.policy, NoEviction):
-            self.store.evictor = self._evict
-            self.store.evictor_label = f"policy {self.policy} over the {self.index.kind} prefix cache"
-        if self.index is not None:
-            self.store.holders["prefix cache"] = self._index_bytes
         self._open = 0
         self._fed: weakref.WeakKeyDictionary[QuantizedCache, _Fed] = weakref.WeakKeyDictionary()
 
@@ -211,12 +201,6 @@ class Engine:
         fed = self._held_ids(cache, ids, "register")
         return register(cache, ids, self.index, forward_ends=fed.ends)
 
-    def _evict(self, need_bytes: int) -> int:
-        return self.policy.evict(self.index, need_bytes)
-
-    def _index_bytes(self) -> int:
-        return self.index.held_bytes()
-
     def __repr__(self) -> str:
         index = self.index.kind if self.index is not None else "off"
         return f"Engine({self.scheme}, prefix cache {index}, policy {self.policy}, {self.store!r})"
@@ -228,7 +212,7 @@ class Engine:
         self._open += 1
         name = name or f"request {self._open}"
         # the store's requested page size: a cache on it with another one would not fit its pools
-        block_size = self.store.plans[0].requested_block_size
+        block_size = self.store.requested_block_size
         cache = QuantizedCache(self.scheme, self.model.config, store=self.store, block_size=block_size)
         cache.name = name
         self.store.holders[name] = lambda: cache_bytes(self.store, cache)
@@ -250,9 +234,7 @@ class Engine:
 
     def unit_boundary(self, tokens: int) -> int:
         """The largest position <= tokens where a cached prefix can end (sink + a whole number of pages)."""
-        plan = self.store.plans[0]
-        sink, bs = plan.sink, plan.block_size
-        return tokens if tokens <= sink else sink + (tokens - sink) // bs * bs
+        return self.store.unit_boundary(tokens)
 
     @torch.no_grad()
     def prefill(self, cache: QuantizedCache, ids: Sequence[int], boundaries: Sequence[int] = ()) -> Prefill:

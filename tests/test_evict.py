@@ -174,3 +174,54 @@ def test_sliding_window_is_flat_and_attends_to_sink_and_window(engines, model):
         assert len(layer.sink_t.pages() | layer.recent_t.pages() | layer.body_t.pages()) <= 4
     assert layer.dropped > 4 and layer.sink_len == 4
     engine.close(cache)
+
+
+def test_a_new_policy_is_one_class(engines, model):
+    """A policy is one registered class: its `victim` is all the budget needs. Here: evict the unit cached
+    first among those only the index holds (FIFO by depth order of insertion)."""
+    from kvquant.paging import evict
+
+    @evict.register
+    class OldestFirst(evict.EvictionPolicy):
+        name = "test-oldest-first"
+
+        def victim(self, index):
+            units = [(u.depth, h) for u, h in index.units() if index.evictable(u)]
+            return min(units, key=lambda x: x[0])[1] if units else None
+
+    try:
+        assert isinstance(make_policy("test-oldest-first"), OldestFirst)
+        budget = int(2.5 * _request_bytes(model))
+        engine = engines(SCHEME, prefix_cache="hash", policy="test-oldest-first", budget_bytes=budget)
+        for s in range(4):
+            cache = engine.open()
+            p = ids(N, 80 + s)
+            engine.prefill(cache, p)
+            engine.close(cache, p)
+        assert engine.store.evicted_pages > 0 and engine.store.peak_bytes <= budget
+        assert _cached_units(engine, ids(N, 83)) == 3  # the last request: untouched
+    finally:
+        evict._REGISTRY.pop("test-oldest-first")
+
+
+@torch.no_grad()
+def test_the_store_evicts_as_it_allocates(model):
+    """No engine: a KVStore with a prefix index, a policy and a budget evicts inside its pools' allocation
+    (nothing is injected from serving); the running cache's pages are never the ones freed."""
+    from kvquant import QuantizedCache
+    from kvquant.paging import KVStore
+    from kvquant.prefix import register
+
+    budget = int(2.5 * _request_bytes(model))
+    store = KVStore(model.config, SCHEME, budget_bytes=budget, prefix_cache="radix", policy="lru")
+    for s in range(4):
+        cache = QuantizedCache(SCHEME, model.config, store=store)
+        p = ids(N, 90 + s)
+        model(torch.tensor([p]), cache=cache)
+        assert register(cache, p, store.index) == 3
+        cache.reset()  # finished: only the index holds its pages
+    assert store.evicted_pages > 0 and store.peak_bytes <= budget
+    assert store.held_bytes() <= budget
+    store.index.clear()
+    store.check()
+    assert store.pages_in_use() == 0

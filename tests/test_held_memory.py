@@ -2,7 +2,7 @@
 
 Bound tested (per layer): FP pools hold exactly the plan's `max_fp_pages` per sequence (none for a scheme
 with no sink, window or token groups); body pools hold the pages in use plus at most ceil(in use / 16) + 1
-(`kvquant.store.GROWTH_DIVISOR`). So reserved_bytes() <= nbytes() * 17/16 + one body page per layer + the
+(`kvquant.store.GROWTH_DIVISOR`). So reserved_bytes() <= nbytes() * 33/32 + one body page per layer + the
 FP pages the window may hold beyond those in use at the moment.
 """
 

@@ -78,3 +78,26 @@ def test_quantized_sliding_layers_match_an_unbounded_cache(gemma):
     one = _run(gemma64, ids, kvquant.QuantizedCache(scheme, gemma64.config), [1] * 60)
     chunked = _run(gemma64, ids, kvquant.QuantizedCache(scheme, gemma64.config), [25, 1, 34])
     torch.testing.assert_close(chunked, one, atol=1e-9, rtol=0)
+
+
+def test_layer_classes_match_what_they_store(gemma):
+    """Each decoder layer gets the class of its kind: SlidingLayer (no sink, releases what falls behind the
+    window) on sliding layers, FullLayer elsewhere; `QuantizedLayer(...)` picks the same way."""
+    from kvquant.cache import FullLayer, QuantizedLayer, SlidingLayer
+
+    cache = kvquant.QuantizedCache("int4-g32,sink=4", gemma.config)
+    kinds = [type(layer) for layer in cache.layers]
+    assert kinds == [SlidingLayer, SlidingLayer, FullLayer]
+    assert [layer.scheme.sink for layer in cache.layers] == [0, 0, 4]
+    with torch.no_grad():
+        gemma(_ids(3 * WINDOW), cache=cache)
+    assert cache.layers[0].dropped > 0 and cache.layers[2].dropped == 0  # the sliding layer released pages
+    assert type(QuantizedLayer("int8")) is FullLayer
+    sliding = QuantizedLayer("int8,sink=4", sliding_window=8)
+    assert type(sliding) is SlidingLayer and sliding.scheme.sink == 0 and isinstance(sliding, QuantizedLayer)
+    with pytest.raises(ValueError, match="a SlidingLayer"):
+        FullLayer("int8", sliding_window=8)
+    with pytest.raises(ValueError, match="positive number of tokens"):
+        SlidingLayer("int8", sliding_window=0)
+    with pytest.raises(ValueError, match="not shared across sliding-window layers"):
+        sliding.adopt_prefix(0, [], [], 0, [])

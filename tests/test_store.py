@@ -155,3 +155,39 @@ def test_append_writes_only_the_current_page():
     assert after.data_ptr() == ptr  # preallocated: no reallocation, no concatenation
     changed = (after != before).flatten(1).any(dim=1).nonzero().flatten().tolist()
     assert changed == [layer.body_t.rows[0][-1]]
+
+
+@torch.no_grad()
+def test_a_private_cache_is_a_store_with_one_holder():
+    """Without store=, the cache's layers take their tables from a private KVStore (the same path as a
+    shared one): pools sized for the batch when a layer first writes, memory given back on reset."""
+    model = make_tiny_model(seed=2)
+    cache = kvquant.QuantizedCache("int4-g32", model.config)
+    assert not cache.store.shared and all(layer.store is cache.store for layer in cache.layers)
+    model(torch.randint(1, 500, (2, 40), generator=torch.Generator().manual_seed(0)), cache=cache)
+    for i, layer in enumerate(cache.layers):
+        assert layer.tables.private and layer.tables.batch == 2
+        assert layer.tables.body_pool is cache.store._own[i].body  # the store's pools, made for this layer
+    before = cache.reserved_bytes()
+    cache.reset()
+    cache.store.check()
+    assert cache.nbytes() == 0 and cache.reserved_bytes() < before  # trimmed: a private store gives back
+    with pytest.raises(ValueError, match="takes a shared KVStore"):
+        kvquant.QuantizedCache("int4-g32", model.config, store=cache.store)
+
+
+def test_no_module_outside_the_store_reads_block_tables():
+    """kvquant's modules outside kvquant/paging ask a layer's tables (`LayerTables`) through its methods;
+    none reaches into a block table (`.rows`, or an attribute of sink_t / body_t / recent_t)."""
+    import re
+    from pathlib import Path
+
+    root = Path(kvquant.__file__).resolve().parent
+    reach = re.compile(r"\b(sink_t|body_t|recent_t)\.\w|\.rows\b")
+    found = [
+        f"{path.relative_to(root)}:{n}: {line.strip()}"
+        for path in sorted(root.glob("*.py"))
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if reach.search(line)
+    ]
+    assert not found, "\n".join(found)
