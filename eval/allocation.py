@@ -1,15 +1,23 @@
 """Per-layer K/V bit allocation under an average-bits budget (KVTuner-style), measured on calibration text.
 
-1. Sensitivity: for every layer l, role r (K or V) and candidate spec s, the mean KL(p_fp || p) per predicted
-   token when only layer l's r is quantized with s (everything else FP), in cache mode (decode-exact, one
-   forward per document), on calibration documents (never evaluation text; `kvquant.eval.calibration`).
+1. Sensitivity, two ways. Joint (`measure_joint_sensitivity`, `--around RECIPE`): every layer quantized with
+   a uniform recipe at the budget (the operating point) and one group's K or V switched to a candidate; the
+   cost is the KL change, measured on several documents, so the errors of all other layers are present
+   when a layer is judged. Alone (`measure_sensitivity`, the first version): for every layer l, role r
+   (K or V) and candidate spec s, the mean KL(p_fp || p) per predicted token when only layer l's r is
+   quantized with s (everything else FP). Both in cache mode (decode-exact, one forward per document), on
+   calibration documents (never evaluation text; `kvquant.eval.calibration`).
 2. Choice: minimize the predicted KL, sum over (l, r) of sensitivity[l, r, s], subject to the average
    effective bits (scales counted at FP16, steady state) over all K and V values <= the budget; exact with
    `scipy.optimize.milp` (one binary per (l, r, s), one choice per (l, r), one knapsack row).
 3. The result is an ordinary scheme (`layers=0:k1/v1+1:...`), so every tool accepts it; the additive model's
-   prediction is reported beside the KL measured with the whole scheme.
+   prediction (joint: KL(around) + the deltas) is reported beside the KL measured with the whole scheme.
+   `--write-calib` stores it in the calibration file, and `budget=B,calib=FILE` then resolves to it
+   (`kvquant.calibration.resolve_budget`).
 
     python experiments/allocate.py --budget-bits 3.0 --calib calib/smollm2-nuq.safetensors
+    python experiments/allocate.py --budget-bits 3.0 --calib calib/smollm2-crot.safetensors \
+        --around 'k=nuq3-channel-g64-crot-prerope,v=int2-g64-crot' --docs 2 --group 5 --write-calib
 """
 
 from __future__ import annotations
@@ -178,6 +186,48 @@ def measure_sensitivity(
     return sens
 
 
+def measure_joint_sensitivity(
+    model,
+    documents: Sequence[torch.Tensor],
+    key_candidates: Sequence[str],
+    value_candidates: Sequence[str],
+    around: Scheme,
+    progress=None,
+    group: int = 1,
+    refs: Sequence[torch.Tensor] | None = None,
+) -> tuple[Sensitivity, float]:
+    """Sensitivities at the operating point rather than alone: every other layer stays quantized with the
+    uniform recipe `around` while one group's K (or V) switches to a candidate; the cost of (g, r, s) is
+    KL(scheme with the switch) - KL(around), so what a layer costs is measured with the error of all the
+    others already in the residual stream (the interactions that made alone-measured sensitivities not add).
+    The around spec itself costs 0 and needs no forward. Returns (sensitivity of deltas, KL(around))."""
+    shape = KVShape.from_config(model.config)
+    refs = refs if refs is not None else reference_logprobs(model, documents)
+    base = [(around.for_layer(i).key, around.for_layer(i).value) for i in range(shape.num_layers)]
+    base_kl = scheme_kl(model, documents, refs, around)
+    sens = Sensitivity(group=group)
+    cands = [("k", parse_spec(s)) for s in key_candidates] + [("v", parse_spec(s)) for s in value_candidates]
+    for role, spec in cands:
+        sens.bits[(role, str(spec))] = spec_bits(spec, shape)
+    n, total = 0, sens.num_groups(shape.num_layers) * len(cands)
+    for gi in range(sens.num_groups(shape.num_layers)):
+        for role, spec in cands:
+            layers = sens.layers_of(gi, shape.num_layers)
+            at = {str(base[i][0 if role == "k" else 1]) for i in layers}
+            if at == {str(spec)}:
+                sens.kl[(gi, role, str(spec))] = 0.0
+            else:
+                specs = list(base)
+                for layer in layers:
+                    specs[layer] = (spec, base[layer][1]) if role == "k" else (base[layer][0], spec)
+                kl = scheme_kl(model, documents, refs, per_layer_scheme(specs, around))
+                sens.kl[(gi, role, str(spec))] = kl - base_kl
+            n += 1
+            if progress is not None:
+                progress(n, total)
+    return sens, base_kl
+
+
 def allocate(
     sens: Sensitivity, num_layers: int, budget_bits: float
 ) -> tuple[dict[tuple[int, str], str], float]:
@@ -226,9 +276,9 @@ def scheme_from_choice(chosen: dict[tuple[int, str], str], num_layers: int, base
     return per_layer_scheme(specs, base)
 
 
-def predicted_kl(sens: Sensitivity, scheme: Scheme, num_layers: int) -> float:
+def predicted_kl(sens: Sensitivity, scheme: Scheme, num_layers: int, joint: bool = False) -> float:
     """The additive model's KL for a scheme whose specs were all measured and are equal within each measured
-    group of layers (nan otherwise)."""
+    group of layers (nan otherwise). joint: the sum of the deltas (add KL(around) for the prediction)."""
     total = 0.0
     for g in range(sens.num_groups(num_layers)):
         layers = sens.layers_of(g, num_layers)
@@ -237,7 +287,7 @@ def predicted_kl(sens: Sensitivity, scheme: Scheme, num_layers: int) -> float:
             if len(specs) != 1:
                 return math.nan
             spec = specs.pop()
-            if parse_spec(spec).is_quantized:
+            if joint or parse_spec(spec).is_quantized:
                 total += sens.kl.get((g, role, spec), math.nan)
     return total
 
@@ -273,9 +323,13 @@ def run_allocation(
     out=None,
     model=None,
     tokenizer=None,
+    around: Scheme | None = None,
+    write_calib: bool = False,
 ) -> dict:
     """Sensitivities (reused from out/sensitivity.json when its setup matches), the MILP choice, and the
-    predicted vs measured KL; writes out/allocation.json."""
+    predicted vs measured KL; writes out/allocation.json. around: a uniform recipe: joint sensitivities at
+    that operating point (`measure_joint_sensitivity`) instead of alone. write_calib: store the allocation in
+    base's calibration file (`budget=B,calib=FILE` then resolves to it)."""
     import json
     from pathlib import Path
 
@@ -299,13 +353,27 @@ def run_allocation(
         "mode": "cache",
         "group": group,
     }
+    if around is not None:
+        setup["around"] = str(around)
     out = Path(out) if out is not None else None
+    base_kl = 0.0
     sens = None
     if out is not None and (out / "sensitivity.json").is_file():
         saved = json.loads((out / "sensitivity.json").read_text())
         if saved.get("setup") == setup:
             sens = Sensitivity.from_json(saved)
+            base_kl = saved.get("around_kl", 0.0)
             logger.info("reusing %s", out / "sensitivity.json")
+    if sens is None and around is not None:
+        sens, base_kl = measure_joint_sensitivity(
+            model,
+            calib_text.ids,
+            key_candidates,
+            value_candidates,
+            around,
+            progress=lambda n, total: logger.info("joint sensitivity %d/%d", n, total),
+            group=group,
+        )
     if sens is None:
         sens = measure_sensitivity(
             model,
@@ -316,10 +384,12 @@ def run_allocation(
             progress=lambda n, total: logger.info("sensitivity %d/%d", n, total),
             group=group,
         )
-        if out is not None:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "sensitivity.json").write_text(json.dumps({"setup": setup, **sens.to_json()}) + "\n")
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        saved = {"setup": setup, **sens.to_json(), "around_kl": base_kl}
+        (out / "sensitivity.json").write_text(json.dumps(saved) + "\n")
     chosen, predicted = allocate(sens, shape.num_layers, budget_bits)
+    predicted += base_kl  # joint: KL(around) + the deltas (alone: base_kl is 0)
     scheme = scheme_from_choice(chosen, shape.num_layers, base)
     refs = reference_logprobs(model, calib_text.ids)
     result = {
@@ -342,7 +412,8 @@ def run_allocation(
                 {
                     "scheme": str(s),
                     "effective_bits": effective_bits(model.config, s),
-                    "predicted_kl": predicted_kl(sens, s, shape.num_layers),
+                    "predicted_kl": predicted_kl(sens, s, shape.num_layers, joint=around is not None)
+                    + base_kl,
                     "measured_kl_eval": scheme_kl(model, ids, refs, s),
                 }
             )
@@ -354,6 +425,16 @@ def run_allocation(
             "rows": rows,
         }
     result["choice"] = {f"{i}.{r}": s for (i, r), s in sorted(chosen.items())}
+    if around is not None:
+        result["around"] = {"scheme": str(around), "measured_kl_calibration": base_kl}
+    if write_calib:
+        if base.calib is None:
+            raise ValueError("--write-calib stores the allocation in the calibration file: give --calib FILE")
+        from kvquant.calibration import store_allocation
+
+        facts = {k: result[k] for k in ("effective_bits", "predicted_kl", "measured_kl_calibration")}
+        result["written_to"] = str(store_allocation(base.calib, budget_bits, scheme, **facts,
+                                                    documents=calib_text.titles, around=setup.get("around")))
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "allocation.json").write_text(json.dumps(result, indent=1) + "\n")

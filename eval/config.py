@@ -223,6 +223,7 @@ class RunConfig:
     trials: int | None = None  # retrieval: keys per (length, depth) (None: DEFAULT_TRIALS)
     shard: Shard | None = None  # --shard I/N: this job-array task's part of the points; no report
     merge: bool = False  # --merge: measure nothing; summary, report and plots from every shard's results
+    device_map: str | None = None  # --device-map auto|balanced|FILE: the model split across devices
     extra: dict = field(default_factory=dict, compare=False)
     chunk_given: bool = field(init=False, default=True)  # False: --chunk was left to its default
 
@@ -253,6 +254,8 @@ class RunConfig:
             raise RunError(f"unknown W&B mode {self.wandb!r}; known: {', '.join(WANDB_MODES)}")
         if not _DEVICE_RE.match(str(self.device)):
             raise RunError(f"unknown device {self.device!r}; use cpu, cuda, cuda:N or mps")
+        if self.device_map is not None:
+            _check_device_map(self.device_map)
         _positive("--max-length", self.max_length, 2, "a document of L tokens gives L - 1 predictions")
         _positive("--chunk", self.chunk, 1, "tokens per forward")
         if self.noise_floor and self.chunk < 2:
@@ -279,8 +282,6 @@ class RunConfig:
         flag = "--merge" if self.merge else f"--shard {self.shard}"
         if self.shard is not None and self.merge:
             raise RunError("--merge writes the report from every shard: run it once, without --shard")
-        if self.is_retrieval:
-            raise RunError(f"{flag} applies to --task ppl (retrieval grids run in one process for now)")
         if self.force:
             raise RunError(
                 f"{flag} with --force: a shard would delete the other shards' results; start over once with "
@@ -353,6 +354,17 @@ class RunConfig:
     def dtype_name(self) -> str:
         """The torch dtype's name: float32, float16 or bfloat16."""
         return DTYPE_NAMES[self.dtype]
+
+
+def _check_device_map(spec: str) -> None:
+    """--device-map: a strategy or a readable JSON file of module -> device (kvquant.models.parse_device_map,
+    which imports nothing heavy)."""
+    from kvquant.models import parse_device_map
+
+    try:
+        parse_device_map(spec)
+    except (OSError, ValueError, TypeError) as e:
+        raise RunError(f"--device-map: {e}") from None
 
 
 def check_inputs(config: RunConfig, *, check_model: bool = True) -> list:

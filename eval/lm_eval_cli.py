@@ -1,7 +1,8 @@
 """`kvquant-lm-eval`: lm-eval's own command line with the `kvquant` model registered, failing fast.
 
 lm-eval's argument parser is light, so the command line is parsed first and the `kvquant` model's
-`--model_args` (scheme, chunk, backend, dtype, pretrained path) and `--device` are checked before
+`--model_args` (scheme, chunk, backend, dtype, pretrained path, batch size, device map) and `--device` are
+checked before
 torch, transformers or lm-eval's models are imported: a typo is one line on stderr and exit status 2 at
 once, not a traceback after a minute of imports. `KVQuantLM` runs the same checks (`check_model_args`).
 """
@@ -11,7 +12,10 @@ from __future__ import annotations
 import sys
 from collections.abc import Mapping, Sequence
 
-__all__ = ["BACKENDS", "DTYPE_ALIASES", "HUB_ONLY_ARGS", "KNOWN_MODEL_ARGS", "check_model_args", "cli"]
+__all__ = [
+    "BACKENDS", "DTYPE_ALIASES", "HUB_ONLY_ARGS", "KNOWN_MODEL_ARGS", "batch_size_of", "check_model_args",
+    "cli",
+]
 
 PROG = "kvquant-lm-eval"
 BACKENDS = ("auto", "triton", "torch")  # kvquant.backend.BACKENDS (torch-free copy; a test keeps them equal)
@@ -27,7 +31,7 @@ DTYPE_ALIASES = {
     "bf16": "bfloat16",
 }
 HUB_ONLY_ARGS = ("revision", "peft", "delta", "parallelize", "tokenizer")
-KVQUANT_ARGS = ("pretrained", "scheme", "chunk", "backend", "dtype", "device", "batch_size")
+KVQUANT_ARGS = ("pretrained", "scheme", "chunk", "backend", "dtype", "device", "batch_size", "device_map")
 # what HFLM.__init__ takes besides those (lm-eval 0.4.x; a test compares with its signature)
 HFLM_ARGS = (
     "subfolder", "truncation", "logits_cache", "max_length", "softmax_dtype", "mixed_precision_dtype",
@@ -74,6 +78,14 @@ def check_model_args(args: Mapping[str, object]) -> None:
     dtype = args.get("dtype", "float32")
     if not _is_torch_dtype(dtype) and str(dtype) not in DTYPE_ALIASES:
         raise ValueError(f"unknown dtype {dtype!r}; known dtypes: float32, float16, bfloat16")
+    batch_size_of(args.get("batch_size", 1))
+    if args.get("device_map") is not None:
+        from kvquant.models import parse_device_map
+
+        parse_device_map(args["device_map"])
+    if args.get("parallelize") not in (None, False):
+        raise ValueError("--model_args parallelize= is HFLM's hub loader's split; the kvquant model takes "
+                         "device_map=auto (or balanced, or a JSON file of module -> device)")
     for name in HUB_ONLY_ARGS:
         if args.get(name) not in (None, False, "main"):
             raise ValueError(f"--model_args {name}= is not supported by the kvquant model (no hub access)")
@@ -91,6 +103,23 @@ def check_model_args(args: Mapping[str, object]) -> None:
         if isinstance(max_length, int) and max_length > facts.positions:
             raise ValueError(f"max_length={max_length} is beyond the model's {facts.positions} positions "
                              f"({facts.source})")
+
+
+def batch_size_of(value: object) -> int:
+    """lm-eval's batch size (--batch_size or batch_size=) as the kvquant model takes it: a positive integer.
+    `auto` (HFLM's search by trial forwards without a cache) is refused."""
+    if value is None:
+        return 1
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(
+            f"batch_size={value!r}: the kvquant model takes an integer batch size (requests per forward "
+            "through one cache); HFLM's batch_size=auto search is not supported"
+        )
+    if value < 1:
+        raise ValueError(f"batch_size={value} must be a positive integer")
+    return value
 
 
 def _is_torch_dtype(value: object) -> bool:
@@ -140,7 +169,9 @@ def cli(argv: Sequence[str] | None = None) -> None:
         args = parser.parse_args()  # usage errors exit here, with status 2
         if getattr(args, "command", None) == "run" and getattr(args, "model", None) == "kvquant":
             try:
-                check_model_args(getattr(args, "model_args", None) or {})
+                model_args = getattr(args, "model_args", None) or {}
+                check_model_args(model_args)
+                batch_size_of(getattr(args, "batch_size", 1))
                 _default_device(args)
                 check_device(getattr(args, "device", None))
             except (ValueError, TypeError, OSError) as e:  # SchemeError, FileNotFoundError included

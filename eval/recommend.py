@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import RunConfig, RunError, model_facts
+from .config import RunConfig, RunError, Shard, model_facts
 
 __all__ = [
     "ENGINES",
@@ -96,6 +96,7 @@ class Recommendation:
     out: Path
     seconds: float = 0.0
     run_dirs: dict[str, Path] = field(default_factory=dict)
+    part_only: bool = False  # a shard's (or a torchrun rank's) part was measured: nothing ranked yet
 
 
 # ------------------------------------------------------------------------------------------ candidates
@@ -114,11 +115,19 @@ def _deploy(engine: str, model: str, gguf: str | None, name: str, k: str | None 
 
 
 def _llama_cpp(model: str, gguf: str | None) -> list[Candidate]:
+    """llama.cpp's cache types as it runs them (Hadamard-rotated Q/K/V when head_dim % 64 == 0, its default
+    since April 2026), and q8_0 / q4_0 without the rotation (LLAMA_ATTN_ROT_DISABLE=1) for contrast."""
     out = [Candidate(f"llama.cpp:{t}", t, "engine", _deploy("llama.cpp", model, gguf, t))
            for t in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0", "iq4_nl")]
     out.append(Candidate("llama.cpp:k=q8_0,v=q4_0", "q8_0 / q4_0", "engine",
                          _deploy("llama.cpp", model, gguf, "q4_0", k="q8_0")))
+    out += [Candidate(f"llama.cpp:{t}-norot", f"{t}, no rotation", "engine",
+                      "LLAMA_ATTN_ROT_DISABLE=1 " + _deploy("llama.cpp", model, gguf, t))
+            for t in ("q8_0", "q4_0")]
     return out
+
+
+VLLM_TURBOQUANT = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 
 
 def candidates_for(engine: str, model: str | None = None, facts=None) -> Plan:
@@ -134,15 +143,25 @@ def candidates_for(engine: str, model: str | None = None, facts=None) -> Plan:
     cands: list[Candidate] = []
     skipped: list[Skipped] = []
     if engine == "vllm":
+        from kvquant.codec_engine_vllm import vllm_cache_scheme
+
         for n in ("fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"):
             cands.append(Candidate(f"vllm:{n}", n, "engine", _deploy("vllm", name, gguf, n)))
+        if facts.layers is not None:  # as vLLM serves them: its two boundary layers at each end unquantized
+            for n in VLLM_TURBOQUANT:
+                served = vllm_cache_scheme(n, facts.layers)
+                if served == "fp16":  # so few layers that vLLM quantizes none of them
+                    skipped.append(Skipped(n, f"vLLM keeps all {facts.layers} layers unquantized"))
+                    continue
+                cands.append(Candidate(served, n, "engine", _deploy("vllm", name, gguf, n),
+                                       note="boundary layers kept FP"))
+        for n in VLLM_TURBOQUANT[1:2]:  # contrast: what the preset would give on every layer (not servable)
+            cands.append(Candidate(f"vllm:{n}", f"{n} on every layer", "kvquant",
+                                   note="contrast: vLLM always keeps the boundary layers"))
         refused = [(k, v) for k, v in ENGINE_REFUSED.items() if k.startswith("vllm:")]
         skipped += [Skipped(k.partition(":")[2], v) for k, v in refused]
     elif engine == "llama.cpp":
         cands += _llama_cpp(name, gguf)
-        skipped.append(Skipped(
-            "rotation (LLAMA_ATTN_ROT)", "llama.cpp's Hadamard rotation of Q/K/V (default since April 2026 "
-            "when head_dim % 64 == 0) is not reproduced: rows are without it (LLAMA_ATTN_ROT_DISABLE=1)"))
     elif engine == "sglang":
         for n in ("fp8_e4m3", "fp8_e5m2"):
             cands.append(Candidate(f"vllm:{n}", n, "engine", _deploy("sglang", name, gguf, n),
@@ -246,10 +265,20 @@ def recommend(
     dtype: str = "float32",
     model_obj=None,
     tokenizer=None,
+    shard: Shard | None = None,
+    merge: bool = False,
+    passkey: bool = False,
 ) -> Recommendation:
     """Measure every candidate of `candidates_for(engine, model)` in prefill and cache mode (two run
     directories under `out`, each resumable) and rank them. Raises RunError for bad input before any model
-    is loaded."""
+    is loaded.
+
+    The sweep runs on the one run harness (`runner.run`), so it shards as every run does (docs/scale.md):
+    under torchrun the ranks divide each run directory's points and rank 0 ranks the candidates; with
+    shard (`--shard I/N`, a job array) this process measures its part of both runs and ranks nothing
+    (`part_only`); merge (`--merge`) measures nothing and ranks from every shard's results. passkey: also a
+    passkey grid in prefill mode (one length, depths 0, 0.5, 1, one trial; its own run directory), whose
+    exact-match rate becomes a column of the table (not a criterion of the pick)."""
     from .runner import run
 
     if gpu not in GPUS:
@@ -272,20 +301,46 @@ def recommend(
     t0 = time.perf_counter()
     summaries: dict[str, list[dict]] = {}
     run_dirs: dict[str, Path] = {}
-    for mode in ("prefill", "cache"):
-        config = RunConfig(
-            schemes=tuple(c.scheme for c in plan.candidates), model=model, corpus=corpus, mode=mode,
-            max_length=length, chunk=chunk, docs=docs, device=device, dtype=dtype, out=str(root / mode),
-            force=force,
+    schemes = tuple(c.scheme for c in plan.candidates)
+    configs = {
+        mode: RunConfig(
+            schemes=schemes, model=model, corpus=corpus, mode=mode, max_length=length, chunk=chunk, docs=docs,
+            device=device, dtype=dtype, out=str(root / mode), force=force, shard=shard, merge=merge,
         )
+        for mode in ("prefill", "cache")
+    }
+    if passkey:
+        configs["passkey"] = RunConfig(
+            schemes=schemes, model=model, corpus=corpus, mode="prefill", task="passkey",
+            lengths=(max(min(length, PASSKEY_LENGTH), 128),), depths=(0.0, 0.5, 1.0), trials=1, chunk=chunk,
+            device=device, dtype=dtype, out=str(root / "passkey"), force=force, shard=shard, merge=merge,
+        )
+    for name, config in configs.items():
         run_dir, summary = run(config, model=model_obj, tokenizer=tokenizer)
-        summaries[mode], run_dirs[mode] = summary, run_dir
+        summaries[name], run_dirs[name] = summary, run_dir
+    if not all(summaries.values()):  # a shard's or a torchrun rank's part: the report is --merge's / rank 0's
+        seconds = time.perf_counter() - t0
+        return Recommendation(plan, [], None, "", "", root, seconds, run_dirs, part_only=True)
+    retrieval = summaries.pop("passkey", None)
     rows = _merge(plan, summaries)
+    if retrieval is not None:
+        _add_passkey(rows, retrieval)
     ranked, pick, better = _rank(rows, tolerance, facts, gpu, weights_gb, length)
     table = _table(ranked, plan, gpu, length, tolerance)
     rec = Recommendation(plan, ranked, pick, better, table, root, time.perf_counter() - t0, run_dirs)
     _write(rec)
     return rec
+
+
+PASSKEY_LENGTH = 1024  # the passkey column's prompt length (the run's length where shorter)
+
+
+def _add_passkey(rows: list[dict], retrieval: list[dict]) -> None:
+    """Each candidate's passkey exact-match rate over the grid (prefill mode), as `passkey`."""
+    overall = {r["scheme"]: r for r in retrieval if r["length"] == "all" and r["depth"] == "all"}
+    for row in rows:
+        r = overall.get(row["label"], {})
+        row["passkey"] = r.get("exact_match", math.nan) if r.get("status", "ok") == "ok" else math.nan
 
 
 def _slug(text: str) -> str:
@@ -374,9 +429,10 @@ def _table(ranked, plan: Plan, gpu: str, length: int, tol: float) -> str:
         for b in r["prefill_buckets"]:
             if b["bucket"] not in buckets:
                 buckets.append(b["bucket"])
+    passkey = any("passkey" in r for r in ranked)
     head = (["#", "format", "kind", "bits"] + [f"prefill drift {b}" for b in buckets]
-            + ["prefill KL", "KL p99", "cache drift", "cache KL", "B/token",
-               f"requests ({gpu}, {length:,} tok)", f"within ±{100 * tol:g}%"])
+            + ["prefill KL", "KL p99", "cache drift", "cache KL", *(["passkey exact"] if passkey else []),
+               "B/token", f"requests ({gpu}, {length:,} tok)", f"within ±{100 * tol:g}%"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(ranked, 1):
         c = r["candidate"]
@@ -386,8 +442,11 @@ def _table(ranked, plan: Plan, gpu: str, length: int, tol: float) -> str:
         cells = [str(i), label, c.kind, f"{p.get('effective_bits', math.nan):.2f}"]
         cells += [per.get(b, "n/a") for b in buckets]
         cells += [f"{p.get('kl', math.nan):.5f}", f"{p.get('kl_p99', math.nan):.4f}",
-                  _interval(ca, "drift"), f"{ca.get('kl', math.nan):.5f}",
-                  f"{r['bytes']:,.0f}", "n/a" if r["requests"] is None else f"{r['requests']:,}",
+                  _interval(ca, "drift"), f"{ca.get('kl', math.nan):.5f}"]
+        if passkey:
+            pk = r.get("passkey", math.nan)
+            cells.append("n/a" if not math.isfinite(pk) else f"{pk:.2f}")
+        cells += [f"{r['bytes']:,.0f}", "n/a" if r["requests"] is None else f"{r['requests']:,}",
                   "yes" if r["ok"] else "no"]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -420,7 +479,8 @@ def _write(rec: Recommendation) -> None:
                                                "deploy": rec.pick.deploy},
         "ranked": [
             {"scheme": r["candidate"].scheme, "label": r["candidate"].label, "kind": r["candidate"].kind,
-             "within": r["ok"], "kl": r["kl"], "bytes_per_token": r["bytes"], "requests": r["requests"]}
+             "within": r["ok"], "kl": r["kl"], "bytes_per_token": r["bytes"], "requests": r["requests"],
+             **({"passkey_exact": r["passkey"]} if "passkey" in r else {})}
             for r in rec.rows
         ],
         "skipped": [{"label": s.label, "reason": s.reason} for s in rec.plan.skipped],

@@ -97,6 +97,12 @@ OWN_FILES = frozenset(
         "summary.tmp",
     }
 )
+# summary.csv of a serving run (kvquant.eval.serve), here so that the W&B logger reads it without serve
+SERVE_SUMMARY_COLUMNS = (
+    "scheme,prefix_cache,policy,requests,ttft_mean_s,ttft_after_first_s,computed_tokens,reused_tokens,"
+    "hit_rate,ttft_hit_s,ttft_miss_s,peak_bytes,budget_bytes,evicted_pages,failed_requests,agreement,fit_requests,"
+    "fit_formula,fit_budget_bytes,wall_s"
+).split(",")
 SHARD_RESULTS = "results.shard-*-of-*.jsonl"  # one results file per shard of a sharded run
 SHARD_LOCKS = ".kvquant.shard-*-of-*.lock"  # each shard's own lock
 # retrieval's heatmaps; the shards' results and locks; config.json written by a shard (per-pid temporary)
@@ -1120,6 +1126,8 @@ def provenance_lines(config_json: dict, progress) -> list[str]:
     and package versions."""
     failed = f" ({progress.failed} not measured: scheme failed)" if progress.failed else ""
     versions = ", ".join(f"{k} {v}" for k, v in config_json["versions"].items())
-    resumed = config_json.get("resumed_git_commits")
-    git = config_json["git_commit"] + (f" (resumed at {', '.join(resumed)})" if resumed else "")
+    resumed = [str(c) for c in config_json.get("resumed_git_commits") or ()]
+    # None outside a git checkout (a pip-installed kvquant, a source archive): the report says so, not crash
+    commit = config_json.get("git_commit") or "commit unknown (not a git checkout)"
+    git = commit + (f" (resumed at {', '.join(resumed)})" if resumed else "")
     return [f"- points measured: {progress}{failed}", f"- git {git}; {versions}"]

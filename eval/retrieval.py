@@ -21,8 +21,9 @@ since the two paths agree until the first miss); `answer_logprob` = sum of log p
 is the unquantized model at the run dtype through a plain DynamicCache, chunked alike; each scheme's point is
 also compared with it (same greedy tokens, Δ log p), which matters when the model itself fails a cell.
 
-Results follow the perplexity job's run-directory conventions (config.json, results.jsonl flushed per point,
-summary.csv, report.md, plots: `heatmap-<scheme>.png`, depth x length), and reruns resume. A point's
+Results follow the perplexity job's run-directory conventions, through the one run harness (`harness`:
+config.json, results.jsonl flushed per point, summary.csv, report.md, plots: `heatmap-<scheme>.png`, depth x
+length); reruns resume, and torchrun ranks or `--shard I/N` + `--merge` divide the grid's points. A point's
 results.jsonl key is (scheme, mode, doc = trial, bucket = `L<length>-d<depth>`). The grid is not part of a
 run's identity: rerunning into the same directory with other lengths, depths or trials measures only the new
 points, and the report covers the union of the grids (a 16k-32k run grown by 2k-8k is one 2k-32k table).
@@ -31,7 +32,6 @@ points, and the report covers the union of the grids (a 16k-32k run grown by 2k-
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import logging
 import math
@@ -45,9 +45,9 @@ from pathlib import Path
 
 import torch
 
-from . import metrics, scoring
+from . import harness, metrics, scoring
 from . import results as res
-from .config import Progress, RunConfig, RunError, RunInterrupted, check_inputs
+from .config import Progress, RunConfig, RunError, check_inputs
 from .data import CorpusError, load_corpus
 from .measure import REFERENCE, _hidden, cache_nbytes, make_cache, steps, store_prefill
 from .schemes import EvalScheme, scheme_label
@@ -302,18 +302,13 @@ def _identity(config: RunConfig, schemes, model_name: str) -> dict:
 def run_dir_for(config: RunConfig, identity: dict) -> Path:
     if config.out:
         return Path(config.out)
-    from .runner import _slug
-
-    digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
-    model = _slug(Path(identity["model"]).name)
-    return Path("runs") / f"{model}-{config.task}-{config.mode}-{digest}"
+    model = harness.slug(Path(identity["model"]).name)
+    return harness.default_run_dir(f"{model}-{config.task}-{config.mode}", identity)
 
 
 def _grown_grid(run_dir: Path, identity: dict, requested: Grid, force: bool) -> Grid:
     """The requested grid grown by the one `run_dir` already holds when it holds the same run (the same
     identity, the grid aside); else the requested grid."""
-    from . import runner
-
     cfg = run_dir / "config.json"
     if force or not cfg.is_file():
         return requested
@@ -321,9 +316,9 @@ def _grown_grid(run_dir: Path, identity: dict, requested: Grid, force: bool) -> 
         old = json.loads(cfg.read_text())
         held = Grid.stored(old)
     except (OSError, ValueError, KeyError, TypeError):
-        return requested  # not a retrieval run: _prepare_dir refuses it
-    if runner.stored_identity(old, GRID_KEYS) != identity:
-        return requested  # another run: _prepare_dir refuses it
+        return requested  # not a retrieval run: harness.prepare_dir refuses it
+    if harness.stored_identity(old, GRID_KEYS) != identity:
+        return requested  # another run: harness.prepare_dir refuses it
     grown = requested.union(held)
     if grown != requested:
         logger.info("%s holds %s; the run's grid grows to %s", run_dir, held.flags(), grown.flags())
@@ -331,16 +326,18 @@ def _grown_grid(run_dir: Path, identity: dict, requested: Grid, force: bool) -> 
 
 
 def run_retrieval(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[dict]]:
-    """Run (or resume) a retrieval grid; returns (run directory, summary rows). As `runner.run`: RunError
-    before any long work, RunInterrupted after writing everything measured on Ctrl-C."""
-    from . import runner
-
+    """Run (or resume) a retrieval grid; returns (run directory, summary rows). As `runner.run`, on the one
+    harness (`harness.execute`): RunError before any long work, RunInterrupted after writing everything
+    measured on Ctrl-C; torchrun ranks, `--shard I/N` and `--merge` divide the grid's points (each point's
+    numbers are the one-process run's: a probe depends on (seed, task, trial, length, depth) only)."""
     if not config.is_retrieval:
         raise RunError(f"task {config.task!r} is not a retrieval task")
+    role = harness.role_of(config)
     schemes = check_inputs(config, check_model=model is None)
+    device = harness.rank_device(config.device, role)
     if model is None:
-        runner.check_device(config.device)
-    model, tokenizer, model_name = runner._load_model(config, model, tokenizer)
+        harness.check_device(device)
+    model, tokenizer, model_name = harness.load_model(config, model, tokenizer, device)
     _check_lengths(config, model, schemes)
     filler = filler_tokens(tokenizer, config.corpus)
     requested = Grid.of(config)
@@ -350,47 +347,37 @@ def run_retrieval(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Pat
     }
     identity = _identity(config, schemes, model_name)
     run_dir = run_dir_for(config, identity)
+    if config.merge and not (run_dir / "config.json").is_file():
+        raise RunError(
+            f"--merge: {run_dir} holds no run (no config.json); run the shards (--shard I/N) first"
+        )
     grid = _grown_grid(run_dir, identity, requested, config.force)
     config_json = _config_json(config, identity, grid, schemes, probes)
-    lock = runner._prepare_dir(run_dir, config_json, identity, config.force, ignore=GRID_KEYS)
-    try:
-        results = res.ResultsFile(run_dir / "results.jsonl")
-        asked = _points(requested, config.modes, schemes)
-        done = sum(results.has(*p) for p in asked)
+    config_json["device"] = device
+    asked = _points(requested, config.modes, schemes)  # the units: each point is measured on its own
+
+    def announce(results, mine: list) -> None:
+        done = sum(results.has(*p) for p in mine)
         if done:
-            logger.info("resuming: %d of %d points already measured in %s", done, len(asked), run_dir)
+            logger.info("resuming: %d of %d points already measured in %s", done, len(mine), run_dir)
         else:
-            logger.info("measuring %d points (%s) into %s", len(asked), config.task, run_dir)
-        points = _points(grid, config.modes, schemes)  # progress is over the run's whole grid
-        torch.manual_seed(config.seed)
-        interrupted = False
-        t0 = time.perf_counter()
-        with res.interrupt_on_sigterm():  # SIGTERM ends the run as Ctrl-C does
-            try:
-                _measure(config, model, schemes, probes, results)
-            except KeyboardInterrupt:
-                interrupted = True
-            finally:
-                logger.info("measured in %.1f s", time.perf_counter() - t0)
-                failed = {(r["scheme"], r["mode"]) for r in results.rows if r.get("status") == "failed"}
-                progress = Progress(
-                    sum(results.has(*p) for p in points),
-                    len(points),
-                    sum(not results.has(*p) and (p[0], p[1]) in failed for p in points),
-                )
-                summary = _write_outputs(
-                    run_dir, results.rows, schemes, model.config, config, config_json, progress
-                )
-    finally:
-        lock.release()
-    if interrupted:
-        raise RunInterrupted(run_dir, progress)
-    return run_dir, summary
+            logger.info("measuring %d points (%s) into %s", len(mine), config.task, run_dir)
+
+    work = harness.Work(
+        units=asked,
+        points=_points(grid, config.modes, schemes),  # progress is over the run's whole grid
+        points_of=lambda mine: [p for p in asked if p in mine],
+        unit_done=lambda results, p: results.has(*p),
+        measure=lambda results, mine: _measure(config, model, schemes, probes, results, mine),
+        write_outputs=lambda rows, progress: _write_outputs(
+            run_dir, rows, schemes, model.config, config, config_json, progress
+        ),
+        announce=announce,
+    )
+    return harness.execute(config, role, run_dir, config_json, identity, work, ignore=GRID_KEYS)
 
 
 def _check_lengths(config: RunConfig, model, schemes) -> None:
-    from .runner import _check_model_fits
-
     longest = max(config.grid_lengths) + 16  # the answer's tokens follow the prompt
     text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     max_pos = getattr(text_cfg, "max_position_embeddings", None)
@@ -398,35 +385,38 @@ def _check_lengths(config: RunConfig, model, schemes) -> None:
         raise RunError(
             f"--lengths {max(config.grid_lengths)} (+ the answer) is beyond the model's {max_pos} positions"
         )
-    _check_model_fits(dataclasses.replace(config, max_length=min(config.max_length, longest)), model, schemes)
+    harness.check_model_fits(
+        dataclasses.replace(config, max_length=min(config.max_length, longest)), model, schemes
+    )
 
 
 def _points(grid: Grid, modes: Sequence[str], schemes) -> list[tuple]:
-    from .runner import _runs_in
-
     return [
         (label, mode, t, cell_label(L, d))
         for mode in modes
         for L, d, t in grid.cells()
-        for label in [REFERENCE, *(scheme_label(s) for s in _runs_in(mode, schemes))]
+        for label in [REFERENCE, *(scheme_label(s) for s in harness.runs_in(mode, schemes))]
     ]
 
 
-def _measure(config: RunConfig, model, schemes, probes: dict, results: res.ResultsFile) -> None:
+def _measure(
+    config: RunConfig, model, schemes, probes: dict, results: res.RunResults, mine: set | None = None
+) -> None:
     """Cell by cell (short lengths first, so an interrupted grid is still a grid), the reference then every
-    scheme on the same probe; each point is written as soon as it is measured."""
+    scheme on the same probe; each point is written as soon as it is measured. mine: the points this process
+    measures (None: all)."""
     from tqdm.auto import tqdm
-
-    from .runner import _record_skipped, _runs_in
 
     failed: set[tuple[str, str]] = set()
     todo = [(mode, key) for mode in config.modes for key in probes]
     for mode, key in tqdm(todo, desc=f"{config.task} probes", unit="probe", dynamic_ncols=True):
-        mode_schemes = _runs_in(mode, schemes)
-        _record_skipped(results, mode, [s for s in schemes if s not in mode_schemes])
+        mode_schemes = harness.runs_in(mode, schemes)
+        harness.record_skipped(results, mode, [s for s in schemes if s not in mode_schemes])
         probe = probes[key]
         for s in [None, *mode_schemes]:
             label = REFERENCE if s is None else scheme_label(s)
+            if mine is not None and (label, mode, probe.trial, probe.cell) not in mine:
+                continue  # another process's point
             if (label, mode) in failed or results.has(label, mode, probe.trial, probe.cell):
                 continue
             chunk = config.chunk if s is None else config.chunk_for(s)
@@ -479,14 +469,12 @@ def _row(label: str, mode: str, probe: Probe, out: Outcome, chunk: int, seconds:
 
 
 def _config_json(config: RunConfig, identity: dict, grid: Grid, schemes, probes: dict) -> dict:
-    from .runner import _git_commit, _versions, display_names
-
     example = probes[min(probes)]
     return {
         "identity": identity,
         "task": config.task,
         "schemes": identity["schemes"],
-        "scheme_names": display_names(schemes, identity["dtype"]),
+        "scheme_names": harness.display_names(schemes, identity["dtype"]),
         "reference": REFERENCE,
         "model": identity["model"],
         "corpus": config.corpus,
@@ -501,9 +489,7 @@ def _config_json(config: RunConfig, identity: dict, grid: Grid, schemes, probes:
         "dtype": identity["dtype"],
         "kv_dtype": config.kv_dtype_name,
         "example_answer": example.answer,
-        "versions": _versions(schemes),
-        "git_commit": _git_commit(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **harness.provenance(schemes),
     }
 
 
@@ -784,9 +770,7 @@ def write_heatmaps(
 def _write_outputs(
     run_dir: Path, rows, schemes, model_config, config: RunConfig, config_json: dict, progress: Progress
 ) -> list[dict]:
-    from .runner import memory_of
-
-    summary = summarize_retrieval(rows, memory_of(schemes, model_config, config.kv_dtype_name))
+    summary = summarize_retrieval(rows, harness.memory_of(schemes, model_config, config.kv_dtype_name))
     write_summary(run_dir / "summary.csv", summary)
     names = config_json.get("scheme_names", {})
     try:

@@ -9,41 +9,39 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import hashlib
-import importlib.metadata
-import json
 import logging
 import math
-import os
 import random
-import subprocess
-import time
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 import kvquant
-from kvquant.scheme import SchemeError
 
+from . import harness
 from . import results as res
 from .config import (
     DEFAULT_CHUNK,
     DEFAULT_DOCS,
     DEFAULT_MAX_LENGTH,
     DTYPE_NAMES,
-    KV_DTYPE_BYTES,
     Progress,
     RunConfig,
     RunError,
     RunIncomplete,
     RunInterrupted,
-    Shard,
     check_inputs,
     resolve_schemes,
 )
 from .data import CorpusError, Document, load_corpus
+from .harness import (  # noqa: F401 - the names callers of runner have always found here
+    check_device,
+    display_names,
+    memory_of,
+    progress_of,
+    stored_identity,
+)
 from .measure import (  # noqa: F401
     MODES,
     REFERENCE,
@@ -77,51 +75,6 @@ DTYPES: dict[str, torch.dtype] = {alias: getattr(torch, name) for alias, name in
 Point = tuple[str, str, int, str]  # (scheme label, mode, document id, bucket label), as ResultsFile keys rows
 
 
-def check_device(device: str) -> None:
-    """Refuse a device this torch cannot use, naming the fix (never fall back silently)."""
-    dev = torch.device(device)
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise RunError(
-                f"--device {device}: torch {torch.__version__} sees no CUDA device; use --device cpu"
-            )
-        if dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise RunError(
-                f"--device {device}: only {torch.cuda.device_count()} CUDA device(s); use cuda:0 .. "
-                f"cuda:{torch.cuda.device_count() - 1}"
-            )
-    elif dev.type == "mps" and not torch.backends.mps.is_available():
-        raise RunError(f"--device {device}: MPS is not available here; use --device cpu")
-    elif dev.type == "xpu" and not (hasattr(torch, "xpu") and torch.xpu.is_available()):
-        raise RunError(f"--device {device}: no XPU device is available; use --device cpu")
-
-
-def _versions(schemes) -> dict[str, str]:
-    extra = sorted({s.package for s in schemes if s.package})
-    names = ["torch", "transformers", "datasets", "kvquant", *extra]
-    out = {}
-    for n in names:
-        try:
-            out[n] = importlib.metadata.version(n)
-        except importlib.metadata.PackageNotFoundError:
-            out[n] = "not installed"
-    return out
-
-
-def _git_commit() -> str | None:
-    try:
-        root = Path(__file__).resolve().parent.parent
-        r = subprocess.run(
-            ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5
-        )
-        dirty = subprocess.run(
-            ["git", "-C", str(root), "status", "--porcelain"], capture_output=True, text=True, timeout=5
-        ).stdout.strip()
-        return r.stdout.strip() + ("+dirty" if dirty else "") if r.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 def _own_chunks(config: RunConfig, schemes) -> dict[str, int]:
     """Schemes that run in cache mode at a chunk other than config.chunk (a peer's default, 128)."""
     if "cache" not in config.modes:
@@ -148,49 +101,13 @@ def _identity(
     }
 
 
-def _slug(text: str) -> str:
-    return "".join(c if c.isalnum() or c in "-._" else "-" for c in text).strip("-")[:40]
-
-
 def run_dir_for(config: RunConfig, identity: dict) -> Path:
     if config.out:
         return Path(config.out)
-    digest = hashlib.sha1(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
-    model = _slug(Path(identity["model"]).name)
-    corpus = _slug(Path(config.corpus).name)
-    name = f"{model}-{corpus}-{config.mode}-L{config.max_length}-c{config.chunk}-{digest}"
-    return Path("runs") / name
-
-
-def _load_model(config: RunConfig, model=None, tokenizer=None, device: str | None = None):
-    if model is not None:
-        if tokenizer is None:
-            raise RunError("a model object needs its tokenizer")
-        name = getattr(model.config, "_name_or_path", "") or type(model).__name__
-        return model, tokenizer, name
-    try:
-        model, tokenizer = kvquant.load_model(
-            config.model, dtype=DTYPES[config.dtype], device=device or config.device
-        )
-    except (OSError, ValueError) as e:  # a folder whose files transformers cannot read
-        raise RunError(f"cannot load model {config.model or '(default)'}: {e}") from None
-    name = config.model or "smollm2-135m-instruct (embedded default)"
-    return model, tokenizer, name
-
-
-def _check_model_fits(config: RunConfig, model, schemes: list[EvalScheme]):
-    """The length within the model's positions and every group size dividing its head_dim; the KV shape."""
-    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    max_pos = getattr(text_cfg, "max_position_embeddings", None)
-    if max_pos is not None and config.max_length > max_pos:
-        raise RunError(f"--max-length {config.max_length} is beyond the model's {max_pos} positions")
-    shape = kvquant.memory.KVShape.from_config(model.config)
-    for s in schemes:
-        try:
-            s.check(shape)
-        except SchemeError as e:
-            raise RunError(f"scheme {s}: {e}") from None
-    return shape
+    model = harness.slug(Path(identity["model"]).name)
+    corpus = harness.slug(Path(config.corpus).name)
+    stem = f"{model}-{corpus}-{config.mode}-L{config.max_length}-c{config.chunk}"
+    return harness.default_run_dir(stem, identity)
 
 
 def _load_documents(config: RunConfig) -> list[Document]:
@@ -236,107 +153,7 @@ def _select_documents(
     return chosen, ids, [docs[i].title for i in chosen]
 
 
-def stored_identity(config_json: dict, ignore: tuple[str, ...] = ()) -> dict:
-    """The identity a run directory's config.json holds, less `ignore` (keys that no longer belong to it)."""
-    return {k: v for k, v in config_json.get("identity", {}).items() if k not in ignore}
-
-
-def _prepare_dir(
-    run_dir: Path,
-    config_json: dict,
-    identity: dict,
-    force: bool,
-    ignore: tuple[str, ...] = (),
-    shard: str | None = None,
-) -> res.RunLock:
-    """Lock `run_dir` for this run and resume a run of the same configuration there; refuse another one, or
-    a folder that is not a run, unless force, which starts over (also over a run of the same configuration)
-    by removing only what kvquant wrote: a folder holding anything else is refused, and nothing deleted.
-    Returns the held lock (`res.RunLock`): the caller releases it when the run ends. A second process into
-    the same directory is refused here, naming the holder's pid. On resume config_json keeps the run's first
-    commit and creation time, and lists in `resumed_git_commits` any other commit that resumed it (the
-    report prints both). `ignore`: keys of a stored identity that no longer belong to it (a retrieval grid,
-    which a run may grow). shard: a shard's tag (`Shard.tag`): the lock is shared with the run's other shards
-    (`res.RunLock`), and config.json is written as any of them may (each through its own temporary)."""
-    cfg_path = run_dir / "config.json"
-    if run_dir.exists() and not run_dir.is_dir():
-        raise RunError(f"--out {run_dir} is a file; name a folder for the run directory")
-    # read-only refusals first: nothing (not even a lock file) is written into a folder that is not a run
-    foreign = res.foreign_files(run_dir)
-    if foreign and not cfg_path.is_file():
-        raise RunError(
-            f"{run_dir} exists and is not a kvquant run directory (it holds {res._listing(foreign)}); choose "
-            "another --out (--force removes only files kvquant wrote, so it leaves such a folder alone)"
-        )
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock = res.RunLock(run_dir, shard).acquire()
-    except res.RunDirError as e:
-        raise RunError(str(e)) from None
-    except OSError as e:
-        raise RunError(f"cannot use {run_dir} as the run directory: {e.strerror or e}") from None
-    try:
-        _claim_dir(run_dir, cfg_path, config_json, identity, force, ignore)
-    except BaseException:
-        lock.release()
-        raise
-    return lock
-
-
-def _claim_dir(run_dir: Path, cfg_path: Path, config_json: dict, identity: dict, force: bool, ignore) -> None:
-    """_prepare_dir's work under the lock."""
-    if cfg_path.is_file() and not force:
-        try:
-            old = json.loads(cfg_path.read_text(encoding="utf-8"))
-            old_identity = stored_identity(old, ignore)
-        except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
-            raise RunError(
-                f"{cfg_path} is unreadable ({type(e).__name__}); pass --force to start the run over, or "
-                "--out to write elsewhere"
-            ) from None
-        if old_identity == identity:
-            now = config_json.get("git_commit")
-            resumed = list(old.get("resumed_git_commits", []))
-            if now not in (old.get("git_commit"), *resumed):
-                resumed.append(now)
-            config_json.update(git_commit=old.get("git_commit"), created=old.get("created"))
-            if resumed:
-                config_json["resumed_git_commits"] = resumed
-            _write_json(cfg_path, config_json)
-            return  # resume
-        raise RunError(
-            f"{run_dir} holds a run with a different configuration "
-            f"({_diff(old_identity, identity)});"
-            " pass --force to replace it, or --out to write elsewhere"
-        )
-    if force:
-        try:
-            removed = res.clear_run_dir(run_dir)
-        except res.RunDirError as e:
-            raise RunError(str(e)) from None
-        if removed:
-            logger.warning("--force: removed %s from %s", ", ".join(removed), run_dir)
-    _write_json(cfg_path, config_json)
-
-
-def _write_json(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp")  # per process: the shards of a run may race
-    tmp.write_text(json.dumps(data, indent=2, default=str))
-    tmp.replace(path)
-
-
-def _diff(a: dict, b: dict) -> str:
-    keys = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-    return "; ".join(f"{k}: {a.get(k)!r} -> {b.get(k)!r}" for k in keys) or "unknown"
-
-
 # ------------------------------------------------------------------------------------- points and progress
-
-
-def _runs_in(mode: str, schemes: list[EvalScheme]) -> list[EvalScheme]:
-    """The schemes measured in `mode` (each says which modes it supports; peers: cache only)."""
-    base = mode.removesuffix("-shift")
-    return [s for s in schemes if base in s.modes]
 
 
 def expected_points(
@@ -347,17 +164,9 @@ def expected_points(
         (label, mode, doc, b.label)
         for mode in modes
         for doc in doc_ids
-        for label in [REFERENCE, *(scheme_label(s) for s in _runs_in(mode, schemes))]
+        for label in [REFERENCE, *(scheme_label(s) for s in harness.runs_in(mode, schemes))]
         for b in buckets
     ]
-
-
-def progress_of(results: res.ResultsFile, points: list[Point]) -> Progress:
-    """Points measured, and points that will not be because their scheme failed in that mode."""
-    failed_runs = {(r["scheme"], r["mode"]) for r in results.rows if r.get("status") == "failed"}
-    measured = sum(results.has(*p) for p in points)
-    failed = sum(not results.has(*p) and (p[0], p[1]) in failed_runs for p in points)
-    return Progress(measured, len(points), failed)
 
 
 def _announce(run_dir: Path, results: res.ResultsFile, points: list[Point], titles: dict[int, str]) -> None:
@@ -391,19 +200,6 @@ def _announce(run_dir: Path, results: res.ResultsFile, points: list[Point], titl
 # ------------------------------------------------------------------------------------------------- run
 
 
-_SHORT = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16"}
-
-
-def display_names(schemes: list[EvalScheme], dtype_name: str | None = None) -> dict[str, str]:
-    """Result label -> what plots and tables show: the preset name where one was used (`kivi-2`), and the
-    reference named for what it is: `fp32 (reference)` when it computes in float32, `fp16` in float16."""
-    names = {s.label: s.name for s in schemes}
-    if dtype_name is not None:
-        short = _SHORT.get(dtype_name, dtype_name)
-        names[REFERENCE] = short if short == "fp16" else f"{short} (reference)"
-    return names
-
-
 def _config_json(
     config: RunConfig, identity: dict, schemes, model_name: str, buckets, documents, shape
 ) -> dict:
@@ -426,9 +222,7 @@ def _config_json(
         "prefill": config.prefill_length if "prefill" in config.modes else None,
         "noise_floor": config.noise_floor,
         "kv_shape": dataclasses.asdict(shape),
-        "versions": _versions(schemes),
-        "git_commit": _git_commit(),
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        **harness.provenance(schemes),
     }
 
 
@@ -472,20 +266,19 @@ def run(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[di
     `config.shard` (--shard I/N, a job array) the process measures shard I's part of every point, skips what
     any results file holds, and writes no report; `config.merge` (--merge) measures nothing and writes the
     report from every shard's results. A report with points missing raises RunIncomplete after writing."""
-    role = _role(config)
+    role = harness.role_of(config)
+    harness.check_wandb(config.wandb)  # a W&B mode that cannot log is refused before any work
     if config.is_retrieval:
-        if role.shard is not None:
-            raise RunError("torchrun ranks apply to --task ppl (retrieval grids run in one process for now)")
         from .retrieval import run_retrieval
 
         return run_retrieval(config, model=model, tokenizer=tokenizer)
     schemes = check_inputs(config, check_model=model is None)
-    device = _rank_device(config.device, role)
+    device = harness.rank_device(config.device, role)
     if model is None:
         check_device(device)
     docs = _load_documents(config)
-    model, tokenizer, model_name = _load_model(config, model, tokenizer, device)
-    shape = _check_model_fits(config, model, schemes)
+    model, tokenizer, model_name = harness.load_model(config, model, tokenizer, device)
+    shape = harness.check_model_fits(config, model, schemes)
     if not config.merge:  # a merge runs no forward
         _warn_key_offsets(model, schemes, tokenizer, config.corpus)
     doc_ids, doc_tokens, titles = _select_documents(config, docs, tokenizer)
@@ -502,215 +295,27 @@ def run(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[di
             f"--merge: {run_dir} holds no run (no config.json); run the shards (--shard I/N) first"
         )
     points = expected_points(config.modes, schemes, doc_ids, buckets)
-    with _Group(role) as group:
-        lock = _open_dir(run_dir, config_json, identity, config, role, group)
-        try:
-            return _run_locked(
-                config, role, group, lock, run_dir, model, tokenizer, schemes, docs, doc_ids, doc_tokens,
-                titles, buckets, points, config_json,
-            )
-        finally:
-            lock.release()
-
-
-def _run_locked(
-    config, role, group, lock, run_dir, model, tokenizer, schemes, docs, doc_ids, doc_tokens, titles, buckets,
-    points, config_json,
-) -> tuple[Path, list[dict]]:
-    """run()'s measuring and writing, with the run directory locked."""
-    tag = role.shard.tag if role.shard is not None else None
-    results = res.RunResults(run_dir, tag)
-    units = _units(points)
-    if config.merge:
-        mine: list[Unit] = []
-    elif role.coordinated:  # every rank has read the same results: they divide what is missing alike
-        todo = [u for u in units if not _unit_done(results, u, buckets)]
-        group.barrier()
-        mine = role.shard.part(todo)
-    elif role.shard is not None:
-        mine = role.shard.part(units)
-    else:
-        mine = units
-    mine_set = set(mine)
-    my_points = [p for p in points if (p[1], p[2], p[0]) in mine_set]
-    if not config.merge:
-        if role.shard is not None:
-            logger.info("%s %s: %d of the run's %d points are this process's part", _who(role),
-                        role.shard, len(my_points), len(points))
-        _announce(run_dir, results, my_points, dict(zip(doc_ids, titles, strict=True)))
-    torch.manual_seed(config.seed)
-    interrupted = False
-    t0 = time.perf_counter()
     texts = {i: docs[i].text for i in doc_ids}
-    writes_report = role.shard is None or (role.coordinated and role.shard.index == 0)
-    summary: list[dict] = []
-    with res.interrupt_on_sigterm():  # `timeout` or a scheduler's stop ends the run as Ctrl-C does
-        try:
-            if mine:
-                _measure(
-                    config, model, tokenizer, schemes, doc_ids, doc_tokens, texts, buckets, results, run_dir,
-                    mine_set,
-                )
-            lock.release_shard()  # this shard's part is done (rank 0 waits on the others' locks)
-            if writes_report and role.coordinated:
-                _wait_for_shards(lock, role)
-        except KeyboardInterrupt:
-            interrupted = True
-        finally:
-            if mine:
-                logger.info("measured in %.1f s", time.perf_counter() - t0)
-            if writes_report:
-                results = res.RunResults(run_dir, tag)  # every rank's rows, as they are now
-                progress = progress_of(results, points)
-                summary = _write_outputs(
-                    run_dir, results.rows, schemes, model.config, config, config_json, progress
-                )
-            else:
-                progress = progress_of(results, my_points)
-    if interrupted:
-        raise RunInterrupted(run_dir, progress)
-    if writes_report and not progress.complete:
-        why = "--merge" if config.merge else f"a rank of {role.shard.count} stopped before its part was done"
-        if config.merge or role.coordinated:
-            raise RunIncomplete(run_dir, progress, why)
-    if role.shard is not None and not role.coordinated:
-        logger.info(
-            "shard %s done (%s of its part measured) in %s; when every shard is done, run the same command "
-            "with --merge instead of --shard to write the report", role.shard, progress, run_dir
-        )
-    return run_dir, summary
+    titled = dict(zip(doc_ids, titles, strict=True))
+    work = harness.Work(
+        units=_units(points),
+        points=points,
+        points_of=lambda mine: [p for p in points if (p[1], p[2], p[0]) in mine],
+        unit_done=lambda results, unit: _unit_done(results, unit, buckets),
+        measure=lambda results, mine: _measure(
+            config, model, tokenizer, schemes, doc_ids, doc_tokens, texts, buckets, results, run_dir, mine
+        ),
+        write_outputs=lambda rows, progress: _write_outputs(
+            run_dir, rows, schemes, model.config, config, config_json, progress
+        ),
+        announce=lambda results, my_points: _announce(run_dir, results, my_points, titled),
+    )
+    return harness.execute(config, role, run_dir, config_json, identity, work)
 
 
-# ------------------------------------------------------------------------------------------------ sharding
+# ------------------------------------------------------------------------------------------- work units
 
 Unit = tuple[str, int, str]  # (mode, document id, scheme label): what one process measures of a document
-
-
-@dataclass(frozen=True)
-class _Role:
-    """This process's part: the whole run (shard None), a job-array task (--shard I/N, coordinated False) or
-    a torchrun rank (coordinated: the ranks meet at a barrier, divide what is missing and rank 0 reports)."""
-
-    shard: Shard | None = None
-    coordinated: bool = False
-    local_rank: int = 0
-
-
-def _role(config: RunConfig) -> _Role:
-    """torchrun's (or accelerate's) ranks from RANK / WORLD_SIZE / LOCAL_RANK, else config.shard."""
-    world = os.environ.get("WORLD_SIZE", "").strip()
-    if not world or int(world) <= 1:
-        return _Role(config.shard)
-    if config.shard is not None or config.merge:
-        raise RunError(
-            f"--shard/--merge are for job arrays; under torchrun (WORLD_SIZE={world}) the ranks divide the "
-            "run among themselves and rank 0 writes the report: drop --shard/--merge"
-        )
-    try:
-        rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-    except (KeyError, ValueError):
-        raise RunError(
-            f"WORLD_SIZE={world} but RANK is not set: launch with torchrun (docs/scale.md)"
-        ) from None
-    return _Role(Shard(rank, int(world)), True, local)
-
-
-def _rank_device(device: str, role: _Role) -> str:
-    """Each torchrun rank binds its own device: `cuda` -> `cuda:LOCAL_RANK`; the CPU stays the CPU."""
-    if not role.coordinated or not device.startswith("cuda"):
-        return device
-    if device != "cuda":
-        raise RunError(
-            f"--device {device} under torchrun would put every rank on one device: pass --device cuda, and "
-            "each rank binds cuda:LOCAL_RANK"
-        )
-    return f"cuda:{role.local_rank}"
-
-
-def _who(role: _Role) -> str:
-    return "rank" if role.coordinated else "shard"
-
-
-class _Group:
-    """torch.distributed's process group of the torchrun ranks (gloo: a barrier and one broadcast, on any
-    device), created here unless the launcher made one; nothing without coordination."""
-
-    def __init__(self, role: _Role):
-        self.role = role
-        self._own = False
-
-    def __enter__(self) -> _Group:
-        if self.role.coordinated:
-            import torch.distributed as dist
-
-            if not dist.is_initialized():
-                dist.init_process_group("gloo")
-                self._own = True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._own:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
-
-    @property
-    def rank(self) -> int:
-        return self.role.shard.index if self.role.shard is not None else 0
-
-    def barrier(self) -> None:
-        if self.role.coordinated:
-            import torch.distributed as dist
-
-            dist.barrier()
-
-    def share(self, message: str | None) -> str | None:
-        """Rank 0's message (an error, or None) on every rank."""
-        if not self.role.coordinated:
-            return message
-        import torch.distributed as dist
-
-        box = [message]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-
-def _open_dir(run_dir, config_json, identity, config: RunConfig, role: _Role, group: _Group) -> res.RunLock:
-    """Lock and claim the run directory for this process's part. torchrun: rank 0 claims it alone (the
-    exclusive lock, then shared with its ranks) and tells the others whether it could; they then lock their
-    own shards and check the directory holds this run."""
-    if not role.coordinated:
-        return _prepare_dir(run_dir, config_json, identity, config.force,
-                            shard=role.shard.tag if role.shard is not None else None)
-    if group.rank == 0:
-        try:
-            lock = _prepare_dir(run_dir, config_json, identity, config.force)
-            try:
-                lock.share(role.shard.tag)
-            except (res.RunDirError, OSError) as e:
-                lock.release()
-                raise RunError(str(e)) from None
-        except BaseException as e:
-            group.share(f"rank 0 could not open the run directory: {e}")
-            raise
-        group.share(None)
-        return lock
-    refused = group.share(None)
-    if refused:
-        raise RunError(refused)
-    try:
-        lock = res.RunLock(run_dir, role.shard.tag).acquire()
-    except res.RunDirError as e:
-        raise RunError(str(e)) from None
-    try:
-        stored = stored_identity(json.loads((run_dir / "config.json").read_text(encoding="utf-8")))
-    except (OSError, ValueError) as e:
-        lock.release()
-        raise RunError(f"{run_dir}/config.json unreadable after rank 0 wrote it: {e}") from None
-    if stored != identity:
-        lock.release()
-        raise RunError(f"rank {group.rank}'s configuration differs from rank 0's ({_diff(stored, identity)})")
-    return lock
 
 
 def _units(points: list[Point]) -> list[Unit]:
@@ -721,20 +326,6 @@ def _units(points: list[Point]) -> list[Unit]:
 def _unit_done(results, unit: Unit, buckets) -> bool:
     mode, doc, label = unit
     return all(results.has(label, mode, doc, b.label) for b in buckets)
-
-
-def _wait_for_shards(lock: res.RunLock, role: _Role, poll: float = 0.2) -> None:
-    """Rank 0: wait until no other rank holds its shard's lock (done, or dead: the kernel drops a dead
-    process's lock, so this never waits on a killed rank). Interruptible (SIGTERM, Ctrl-C)."""
-    said = time.monotonic()
-    while True:
-        busy = [t for t in lock.shards_held() if t.endswith(f"-of-{role.shard.count}")]
-        if not busy:
-            return
-        if time.monotonic() - said > 30:
-            logger.info("rank 0 waits for %s to finish", ", ".join(busy))
-            said = time.monotonic()
-        time.sleep(poll)
 
 
 # ----------------------------------------------------------------------------------------------- measuring
@@ -785,8 +376,8 @@ def _measure(
         with _MemoryMeter(model, device) as meter:
             for mode in config.modes:
                 base = mode.removesuffix("-shift")
-                mode_schemes = _runs_in(mode, schemes)
-                _record_skipped(results, mode, [s for s in schemes if s not in mode_schemes])
+                mode_schemes = harness.runs_in(mode, schemes)
+                harness.record_skipped(results, mode, [s for s in schemes if s not in mode_schemes])
                 for doc in tqdm(doc_ids, desc=f"documents ({mode})", leave=False, dynamic_ncols=True):
                     if (mode, doc) not in pairs:
                         continue  # another process's document
@@ -1058,21 +649,6 @@ def _chunk_groups(
     return [(c, g) for c, g in groups.items() if g or (c == config.chunk and write_ref)]
 
 
-def _record_skipped(results, mode: str, skipped: list[EvalScheme]) -> None:
-    for s in skipped:
-        if not results.has(scheme_label(s), mode, -1, "skipped"):
-            results.append(
-                {
-                    "scheme": scheme_label(s),
-                    "mode": mode,
-                    "doc": -1,
-                    "bucket": "skipped",
-                    "status": "skipped",
-                    "error": f"{s.label} runs in {'/'.join(s.modes)} mode only",
-                }
-            )
-
-
 def _bucket_writer(
     results,
     tokens: res.TokenStore,
@@ -1138,33 +714,6 @@ def _error_writer(results, failed: dict[tuple[str, str], str], mode: str, doc: i
 
 
 # ------------------------------------------------------------------------------------------------ outputs
-
-
-def memory_of(schemes, model_config, kv_dtype: str, run_dtype: str | None = None) -> dict[str, res.Memory]:
-    """Bytes at the storage dtype for the reference and every scheme (each through its protocol); with
-    run_dtype (float32, ...) also held at the dtype the run computes and stores in (beside nbytes())."""
-    shape = kvquant.memory.KVShape.from_config(model_config)
-    dbytes = KV_DTYPE_BYTES[kv_dtype]
-    rbytes = KV_DTYPE_BYTES[run_dtype] if run_dtype else None
-    values = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim
-    fp = float(kvquant.memory.fp16_bytes_per_token(shape, dbytes))
-    out = {REFERENCE: res.Memory(
-        fp, lambda n: _fp_held(model_config, n, dbytes), values,
-        (lambda n: _fp_held(model_config, n, rbytes)) if rbytes else None,
-    )}
-    for s in schemes:
-        out[scheme_label(s)] = res.Memory(
-            s.bytes_per_token(shape, dbytes), lambda n, s=s: s.held_bytes(model_config, n, dbytes), values,
-            (lambda n, s=s: s.held_bytes(model_config, n, rbytes)) if rbytes else None,
-        )
-    return out
-
-
-def _fp_held(model_config, n: int, dbytes: int) -> float:
-    """The unquantized cache after n tokens: full layers hold n tokens, sliding-window layers their window."""
-    shape = kvquant.memory.KVShape.from_config(model_config)
-    per = 2 * shape.num_kv_heads * shape.head_dim * dbytes
-    return float(sum(per * min(n, shape.window_of(i) or n) for i in range(shape.num_layers)))
 
 
 def _summary(rows, schemes, model_config, config: RunConfig, run_dir: Path | None = None) -> list[dict]:

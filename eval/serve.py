@@ -30,16 +30,15 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import harness
+from .config import WANDB_MODES, RunError
+from .results import SERVE_SUMMARY_COLUMNS
+
 __all__ = ["SUMMARY_COLUMNS", "ServeConfig", "ServeError", "check_config", "run", "build_workload"]
 
 logger = logging.getLogger(__name__)
 
-SUMMARY_COLUMNS = (
-    "scheme,prefix_cache,policy,requests,ttft_mean_s,ttft_after_first_s,computed_tokens,reused_tokens,"
-    "hit_rate,ttft_hit_s,ttft_miss_s,peak_bytes,budget_bytes,evicted_pages,failed_requests,agreement,fit_requests,"
-    "fit_formula,fit_budget_bytes,wall_s"
-).split(",")
-WANDB_MODES = ("online", "offline", "disabled")
+SUMMARY_COLUMNS = SERVE_SUMMARY_COLUMNS
 
 
 class ServeError(ValueError):
@@ -109,6 +108,10 @@ def check_config(config: ServeConfig) -> None:
         _check_policy(p, config.index)
     if config.wandb not in WANDB_MODES:
         raise ServeError(f"unknown --wandb mode {config.wandb!r}; known: {', '.join(WANDB_MODES)}")
+    try:
+        harness.check_wandb(config.wandb)  # a mode that cannot log is refused before any work
+    except RunError as e:
+        raise ServeError(str(e)) from None
     if config.dtype not in ("float32", "float64", "bfloat16", "float16"):
         raise ServeError(f"--dtype must be float32, float64, bfloat16 or float16, got {config.dtype!r}")
     if config.out:
@@ -158,18 +161,15 @@ def _check_run_dir(run_dir: Path, config: ServeConfig) -> None:
         )
     want = identity(config)
     if held_identity != want:
-        diff = "; ".join(
-            f"{k}: {held_identity.get(k)!r} -> {want.get(k)!r}"
-            for k in sorted(set(held_identity) | set(want))
-            if held_identity.get(k) != want.get(k)
-        )
         raise ServeError(
-            f"{run_dir} holds a serve run with a different configuration ({diff}); pass --force to replace "
-            "it, or --out to write elsewhere"
+            f"{run_dir} holds a serve run with a different configuration "
+            f"({harness.diff(held_identity, want)}); pass --force to replace it, or --out to write elsewhere"
         )
 
 
 def _check_policy(name: str, index: str) -> None:
+    """Checked before torch is imported (the CLI fails fast), so by name here; kvquant.paging.evict's
+    registry makes the policy itself once the run starts."""
     import re
 
     text = name.strip().lower()
@@ -308,17 +308,7 @@ def simulate(
                 running.remove(st)
         tick += 1
         index_bytes = engine.index.held_bytes() if engine.index is not None else 0
-        layers = zip(*(st["cache"].layers for st in running), strict=True) if running else ()
-        running_bytes = (
-            store.tables_bytes(
-                [
-                    ([t for lay in ls for t in (lay.sink_t, lay.recent_t)], [lay.body_t for lay in ls])
-                    for ls in layers
-                ]
-            )
-            if running
-            else 0
-        )
+        running_bytes = store.caches_bytes([st["cache"] for st in running]) if running else 0
         row.running_peak_bytes = max(row.running_peak_bytes, running_bytes)
         row.timeline.append(
             dict(
@@ -469,10 +459,9 @@ def _load(config: ServeConfig, model=None, tokenizer=None):
 def run_dir_for(config: ServeConfig) -> Path:
     if config.out:
         return Path(config.out)
-    import hashlib
-
-    digest = hashlib.sha1(json.dumps(identity(config), sort_keys=True).encode()).hexdigest()[:8]
-    return Path("runs") / f"serve-N{config.requests}-C{config.context}-P{config.shared_tokens}-{digest}"
+    return harness.default_run_dir(
+        f"serve-N{config.requests}-C{config.context}-P{config.shared_tokens}", identity(config)
+    )
 
 
 Point = tuple[str, str, str]  # (scheme, prefix cache, policy): one summary row
@@ -501,24 +490,11 @@ def completed(run_dir: Path) -> dict[Point, dict]:
 def _open_run_dir(run_dir: Path, config: ServeConfig):
     """Lock run_dir (refusing a second process), check it again under the lock, clear it on --force (only
     kvquant's files). Returns the held lock."""
-    from . import results as res
-
-    try:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        lock = res.RunLock(run_dir).acquire()
-    except res.RunDirError as e:
-        raise ServeError(str(e)) from None
-    except OSError as e:
-        raise ServeError(f"cannot use {run_dir} as the run directory: {e.strerror or e}") from None
+    lock = harness.lock_dir(run_dir, error=ServeError)
     try:
         _check_run_dir(run_dir, config)
         if config.force:
-            removed = res.clear_run_dir(run_dir)
-            if removed:
-                logger.warning("--force: removed %s from %s", ", ".join(removed), run_dir)
-    except res.RunDirError as e:
-        lock.release()
-        raise ServeError(str(e)) from None
+            harness.clear_for_force(run_dir, error=ServeError)
     except BaseException:
         lock.release()
         raise
@@ -589,7 +565,8 @@ def _run_locked(config: ServeConfig, run_dir: Path, model, tokenizer) -> tuple[P
     if cfg_path.is_file():
         cfg_json = json.loads(cfg_path.read_text(encoding="utf-8"))
         cfg_json.setdefault("resumed", []).append(
-            now | {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows_left": len(todo)}
+            now | {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows_left": len(todo),
+                   "git_commit": harness.git_commit()}
         )
     else:
         cfg_json = asdict(config) | {
@@ -597,12 +574,10 @@ def _run_locked(config: ServeConfig, run_dir: Path, model, tokenizer) -> tuple[P
             "identity": identity(config),
             "shared_tokens": config.shared_tokens,
             **now,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            **harness.provenance(),  # versions, git commit, created: as every run directory records them
             "bytes": "FP16 (deployment) bytes of pages held in the shared store",
         }
-    tmp = cfg_path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cfg_json, indent=2, default=str))
-    tmp.replace(cfg_path)
+    harness.write_json(cfg_path, cfg_json)
     results = run_dir / "results.jsonl"
     _, torn = res.read_rows(results, required={"kind": (str,)}) if results.is_file() else ([], False)
     summary: list[dict] = []
@@ -841,11 +816,10 @@ def plot(run_dir: Path, summary: list[dict]) -> Path:
 
 
 def log_to_wandb(run_dir: Path, mode: str, project: str | None = None, group: str | None = None) -> None:
-    """Log the run to W&B as `kvquant.eval.wandb_logger` logs every run directory: one run per scheme
-    (named as given) and a `compare` run, in the run directory's group. "disabled" imports nothing."""
-    from .wandb_logger import log_run
-
-    log_run(run_dir, mode, project, group)
+    """Log the run to W&B as every task's run directory is logged (`harness.log_wandb`): one run per scheme
+    (named as given) and a `compare` run, in the run directory's group. "disabled" imports nothing; a W&B
+    failure is a warning, never an error."""
+    harness.log_wandb(run_dir, mode, project, group)
 
 
 def capacity_table(

@@ -199,9 +199,9 @@ def log_run(run_dir: Path, mode: str, project: str | None = None, group: str | N
     config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
     task = _task(config, run_dir)
     if task == "serve":
-        from .serve import SUMMARY_COLUMNS as SERVE_COLUMNS
+        from .results import SERVE_SUMMARY_COLUMNS
 
-        rows = _read_csv(run_dir / "summary.csv", SERVE_COLUMNS, ("scheme", "prefix_cache", "policy"))
+        rows = _read_csv(run_dir / "summary.csv", SERVE_SUMMARY_COLUMNS, ("scheme", "prefix_cache", "policy"))
         writer = _serve_writer
     elif task in RETRIEVAL_TASKS:
         rows = _read_csv(run_dir / "summary.csv", RETRIEVAL_COLUMNS, RETRIEVAL_TEXT)
@@ -421,7 +421,7 @@ def _retrieval_writer(wandb, config: dict, rows: list[dict], pngs: list[Path]) -
 
 
 def _serve_writer(wandb, config: dict, rows: list[dict], pngs: list[Path]) -> Writer:
-    from .serve import SUMMARY_COLUMNS as SERVE_COLUMNS
+    from .results import SERVE_SUMMARY_COLUMNS as SERVE_COLUMNS
 
     by_scheme: dict[str, list[dict]] = {}
     for r in rows:

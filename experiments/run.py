@@ -100,6 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds the document order (retrieval: keys, filler)")
     p.add_argument("--out", default=None, help="run directory (default runs/<derived from the config>)")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N | mps (must be available)")
+    p.add_argument("--device-map", default=None, metavar="auto|balanced|FILE",
+                   help="split the model across devices (accelerate; FILE: JSON module -> device); "
+                   "--device is then ignored")
     p.add_argument(
         "--dtype", default="float32", help="float32 | float16 | bfloat16 (model and unquantized K/V)"
     )
@@ -195,6 +198,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         tokens=args.tokens,
         seed=args.seed,
         device=args.device,
+        device_map=args.device_map,
         dtype=args.dtype,
         out=args.out,
         force=args.force,
@@ -212,22 +216,10 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def log_to_wandb(run_dir, config) -> None:
-    """After the results are on disk: any W&B failure is a warning, never an error."""
-    if config.wandb == "disabled":
-        return
-    try:
-        from kvquant.eval.wandb_logger import log_run
+    """After the results are on disk, every task alike (`harness.log_wandb`): a W&B failure is a warning."""
+    from kvquant.eval.harness import log_wandb
 
-        log_run(
-            run_dir,
-            config.wandb,
-            project=config.extra.get("wandb_project"),
-            group=config.extra.get("wandb_group"),
-        )
-    except Exception as e:  # noqa: BLE001 - W&B never touches local results or the exit code
-        logger.warning(
-            "W&B logging failed (local results are intact in %s): %s: %s", run_dir, type(e).__name__, e
-        )
+    log_wandb(run_dir, config.wandb, config.extra.get("wandb_project"), config.extra.get("wandb_group"))
 
 
 def _error(message: str) -> int:
@@ -292,7 +284,10 @@ def main(config: RunConfig, *, model=None, tokenizer=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_FAILED
     saved = json.loads((run_dir / "config.json").read_text())
-    if not summary and not config.is_retrieval:  # a shard (or a torchrun rank other than 0): no report
+    import os
+
+    sharded = config.shard is not None or int(os.environ.get("WORLD_SIZE", "").strip() or 1) > 1
+    if not summary and (sharded or not config.is_retrieval):  # a shard, or a torchrun rank but 0: no report
         print(f"results: {run_dir}  ({time.perf_counter() - t0:.0f} s; this process's part of the run)")
         return _report_failures(run_dir)
     log_to_wandb(run_dir, config)  # perplexity and retrieval runs alike (kvquant.eval.wandb_logger)
@@ -324,6 +319,9 @@ def _cli(argv: Sequence[str] | None) -> int:
     try:
         config = config_from_args(args)
         check_inputs(config)  # schemes, model path, corpus, --out: before torch is imported
+        from kvquant.eval.harness import check_wandb
+
+        check_wandb(config.wandb)  # a W&B mode that cannot log: refused before any work, every task alike
     except RunError as e:
         return _error(str(e))
     return main(config)

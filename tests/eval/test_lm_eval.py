@@ -321,6 +321,8 @@ def test_cli_refuses_bad_model_args_before_heavy_imports(tmp_path):
         ([*base, "backend=gpu"], "kvquant-lm-eval: error: unknown backend 'gpu'"),
         ([*base, "dtype=float8"], "kvquant-lm-eval: error: unknown dtype 'float8'"),
         ([*base, f"pretrained={tmp_path / 'missing'}"], "kvquant-lm-eval: error: model path"),
+        ([*base, "device_map=nowhere.json"], "kvquant-lm-eval: error: device map 'nowhere.json' is neither"),
+        ([*base, "scheme=int4-g64", "--batch_size", "auto"], "kvquant-lm-eval: error: batch_size='auto'"),
         (["--model", "kvquant", "--bogus"], "unrecognized arguments: --bogus"),
     ]
     proc = subprocess.run(

@@ -47,6 +47,13 @@ def test_candidates_skip_what_the_model_cannot_take():
     vllm = candidates_for("vllm", None, facts)  # per-token-head formats take any head_dim
     assert {"fp8", "int8_per_token_head", "fp8 skip 0,3"} <= {c.label for c in vllm.candidates}
     assert "int4_per_token_head" in {s.label for s in vllm.skipped}
+    many = candidates_for("vllm", None, ModelFacts(positions=4096, layers=30, head_dim=64, kv_heads=3))
+    served = {c.label: c for c in many.candidates}["turboquant_4bit_nc"]  # as vLLM serves it
+    assert served.scheme == "layers=0-1:fp16+2-27:vllm:turboquant_4bit_nc+28-29:fp16"
+    assert served.deploy.endswith("--kv-cache-dtype turboquant_4bit_nc")
+    facts64 = ModelFacts(positions=4096, layers=30, head_dim=64, kv_heads=3)
+    cpp = {c.label: c for c in candidates_for("llama.cpp", None, facts64).candidates}
+    assert cpp["q4_0, no rotation"].deploy.startswith("LLAMA_ATTN_ROT_DISABLE=1 llama-server")
 
 
 def test_sliding_model_gets_the_sliding_skip_variant():
@@ -64,7 +71,9 @@ def test_recommend_vllm_end_to_end_and_resume(tiny4_dir, tiny_corpus, tmp_path):
     rec = recommend("vllm", str(tiny4_dir), **kw)
     labels = [r["candidate"].label for r in rec.rows]
     assert set(labels) == {"fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head", "fp8 skip 0,3",
-                           "kvquant k=int8-channel-g64,v=int8-head"}
+                           "kvquant k=int8-channel-g64,v=int8-head", "turboquant_4bit_nc on every layer"}
+    skipped = {s.label: s.reason for s in rec.plan.skipped}  # 4 layers: vLLM keeps its 2 + 2 boundary layers
+    assert all("all 4 layers unquantized" in skipped[n] for n in ("turboquant_k8v4", "turboquant_3bit_nc"))
     for r in rec.rows:  # both modes measured for every candidate
         assert r["prefill"]["status"] == "ok" and r["cache"]["status"] == "ok", r["label"]
         assert r["prefill_buckets"] and r["bytes"] > 0
@@ -95,7 +104,8 @@ def test_cli_llama_cpp_prints_table_and_command(tiny4_dir, tiny_corpus, tmp_path
     for label in ("q8_0", "q4_0", "iq4_nl", "q8_0 / q4_0", "kvquant int4-g64-rot"):
         assert f"| {label} |" in out
     assert "llama-server -m " in out and " -fa on" in out
-    assert "LLAMA_ATTN_ROT" in out  # the rotation is said to be missing, not silently left out
+    for label in ("q8_0, no rotation", "q4_0, no rotation"):  # llama.cpp's default rotates; these do not
+        assert f"| {label} |" in out
 
 
 def test_cli_refuses_unknown_gpu(capsys):
@@ -109,3 +119,49 @@ def test_cli_refuses_unknown_gpu(capsys):
 def test_recommend_rejects_bad_tolerance():
     with pytest.raises(RunError, match="tolerance"):
         recommend("vllm", None, tolerance=0.0)
+
+
+# docs/scale.md's commands for the sweep as a job array (test_sweep_shards_and_merge_equal_one_process)
+REC_SHARD = "python experiments/recommend.py --engine vllm --out runs/rec --shard ${JOB_COMPLETION_INDEX}/2"
+REC_MERGE = "python experiments/recommend.py --engine vllm --out runs/rec --merge"
+
+
+def test_sweep_shards_and_merge_equal_one_process(tiny4_dir, tiny_corpus, tmp_path, capsys):
+    """The sweep (prefill, cache and a passkey grid) as two job-array tasks and a merge ranks as one process
+    does: the same table, pick and passkey column, every run directory's rows from the shards' files."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    import recommend as cli
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "scale.md").read_text()
+    assert REC_SHARD in doc and REC_MERGE in doc
+    flags = ["--model", str(tiny4_dir), "--corpus", str(tiny_corpus), "--max-length", "64", "--docs", "1",
+             "--chunk", "32", "--passkey"]
+
+    def argv(command: str, out: Path, index: str = "") -> list[str]:
+        words = shlex.split(re.sub(r"\$\{JOB_COMPLETION_INDEX\}", index, command))
+        assert words[:2] == ["python", "experiments/recommend.py"]
+        words[words.index("--out") + 1] = str(out)
+        return words[2:] + flags
+
+    one = tmp_path / "one"
+    assert cli.main(argv("python experiments/recommend.py --engine vllm --out runs/rec", one)) == 0
+    single = capsys.readouterr().out
+    assert "passkey exact" in single
+    arr = tmp_path / "arr"
+    for i in ("1", "0"):
+        assert cli.main(argv(REC_SHARD, arr, i)) == 0
+        assert "run the same command with --merge" in capsys.readouterr().out
+        assert not (arr / "recommendation.json").exists()
+    assert cli.main(argv(REC_MERGE, arr)) == 0
+    merged = capsys.readouterr().out
+    table = [line for line in single.splitlines() if line.startswith("| ")]
+    assert table and table == [line for line in merged.splitlines() if line.startswith("| ")]
+    a, b = (json.loads((d / "recommendation.json").read_text()) for d in (one, arr))
+    assert a["pick"] == b["pick"] and a["ranked"] == b["ranked"]
+    assert all("passkey_exact" in r for r in a["ranked"])
+    for mode in ("prefill", "cache", "passkey"):
+        assert sorted(p.name for p in (arr / mode).glob("results*.jsonl")) == [
+            "results.shard-0-of-2.jsonl", "results.shard-1-of-2.jsonl"]

@@ -230,7 +230,7 @@ def test_force_refuses_a_folder_with_foreign_files_deletes_nothing(done, tmp_pat
 
 
 def test_a_folder_that_is_not_a_run_is_refused_untouched(tmp_path, tiny_model, tiny_corpus):
-    from kvquant.eval import runner
+    from kvquant.eval import harness
 
     other = tmp_path / "mine"
     other.mkdir()
@@ -239,7 +239,7 @@ def test_a_folder_that_is_not_a_run_is_refused_untouched(tmp_path, tiny_model, t
         go(cfg(other, tiny_corpus, force=True), tiny_model)
     for force in (False, True):  # without --force config.check_out refuses first; the run directory too
         with pytest.raises(RunError, match="not a kvquant run directory.*notes.txt") as e:
-            runner._prepare_dir(other, {"identity": {}}, {}, force)
+            harness.prepare_dir(other, {"identity": {}}, {}, force)
         assert "pass --force" not in str(e.value)
     assert [p.name for p in other.iterdir()] == ["notes.txt"]  # not even a lock file
 

@@ -137,9 +137,9 @@ def test_resume_after_interruption(
         res.ResultsFile, "append", lambda self, row: (written.append(row), real_append(self, row))
     )
     first = json.loads((tmp_path / "r" / "config.json").read_text())
-    import kvquant.eval.runner as runner_mod
+    import kvquant.eval.harness as harness
 
-    monkeypatch.setattr(runner_mod, "_git_commit", lambda: "b" * 40)  # resumed by a later commit
+    monkeypatch.setattr(harness, "git_commit", lambda: "b" * 40)  # resumed by a later commit
     with caplog.at_level(logging.INFO, logger="kvquant.eval.runner"):
         _, summary = run(config, model=tiny_model, tokenizer=tokenizer)
     again = json.loads((tmp_path / "r" / "config.json").read_text())

@@ -30,6 +30,13 @@ SLURM = ("python experiments/run.py --schemes int8,int4-g64 --out runs/sweep "
 K8S = "python experiments/run.py --schemes int8,int4-g64 --out runs/sweep --shard ${JOB_COMPLETION_INDEX}/4"
 MERGE = "python experiments/run.py --schemes int8,int4-g64 --out runs/sweep --merge"
 RESUME = "python experiments/run.py --schemes int8,int4-g64 --out runs/sweep"
+# retrieval grids shard through the same harness (docs/scale.md, "Retrieval grids")
+PK_TORCHRUN = ("torchrun --standalone --nproc-per-node 2 experiments/run.py --task passkey "
+               "--schemes int8,int4-g64 --out runs/passkey")
+PK_SHARD = ("python experiments/run.py --task passkey --schemes int8,int4-g64 --out runs/passkey "
+            "--shard ${JOB_COMPLETION_INDEX}/2")
+PK_MERGE = "python experiments/run.py --task passkey --schemes int8,int4-g64 --out runs/passkey --merge"
+PK_ONE = "python experiments/run.py --task passkey --schemes int8,int4-g64 --out runs/passkey"
 POINTS = 2 * 3 * 2  # documents x (reference + 2 schemes) x buckets (300 tokens: 0-256, 256-300)
 
 
@@ -97,9 +104,72 @@ def two_ranks(tmp_path_factory, tiny_model_dir, tiny_corpus):
 
 def test_docs_show_the_tested_commands():
     text = DOC.read_text()
-    shown = [line.strip() for line in text.splitlines()
-             if line.strip().startswith(("torchrun ", "python experiments/run.py"))]
-    assert sorted(shown) == sorted([TORCHRUN, SLURM, K8S, MERGE, RESUME])
+    shown = [line.strip() for line in text.splitlines()  # run.py (lm-eval: test_lm_eval_parallel)
+             if line.strip().startswith(("torchrun ", "python experiments/run.py"))
+             and "experiments/run.py" in line]
+    documented = [TORCHRUN, SLURM, K8S, MERGE, RESUME, PK_TORCHRUN, PK_SHARD, PK_MERGE, PK_ONE]
+    assert sorted(shown) == sorted(documented)
+
+
+def tiny_grid(model_dir, corpus, out) -> list[str]:
+    """The flags appended to a documented retrieval command: the tiny model, a 2 x 2 x 2 grid."""
+    return ["--model", str(model_dir), "--corpus", str(corpus), "--lengths", "160,192", "--depths", "0,1",
+            "--trials", "2", "--chunk", "64", "--out", str(out)]
+
+
+def grid_rows(run_dir: Path) -> dict[tuple, dict]:
+    """Every measured retrieval row, less its wall-clock seconds."""
+    return {res.ResultsFile.key(r): {k: v for k, v in r.items() if k != "seconds"}
+            for r in res.RunResults(run_dir).rows}
+
+
+def same_rows(a: Path, b: Path) -> None:
+    """The two run directories' retrieval rows equal, point by point, field by field (failures named)."""
+    ra, rb = grid_rows(a), grid_rows(b)
+    assert sorted(ra) == sorted(rb)
+    diff = {k: {f: (ra[k].get(f), rb[k].get(f)) for f in set(ra[k]) | set(rb[k])
+                if ra[k].get(f) != rb[k].get(f)}
+            for k in ra if ra[k] != rb[k]}
+    assert not diff, f"{len(diff)} point(s) differ: {dict(list(diff.items())[:3])}"
+
+
+def grid_summary(run_dir: Path) -> list[dict]:
+    with (run_dir / "summary.csv").open() as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def grid_one(tmp_path_factory, tiny_model_dir, tiny_corpus):
+    out = tmp_path_factory.mktemp("pk-one") / "passkey"
+    assert cli.cli([*argv_of(PK_ONE), *tiny_grid(tiny_model_dir, tiny_corpus, out)]) == 0
+    return out
+
+
+def test_retrieval_job_array_and_merge_equal_one_process(tmp_path, grid_one, tiny_model_dir, tiny_corpus):
+    out = tmp_path / "passkey"
+    flags = tiny_grid(tiny_model_dir, tiny_corpus, out)
+    assert cli.cli([*argv_of(PK_SHARD, {"JOB_COMPLETION_INDEX": "1"}), *flags]) == 0
+    assert not (out / "report.md").exists()  # a task writes no report
+    assert cli.cli([*argv_of(PK_MERGE), *flags]) == cli.EXIT_FAILED  # half the grid: partial, status 1
+    assert "**partial: 12 of 24 points of the grid measured**" in (out / "report.md").read_text()
+    assert cli.cli([*argv_of(PK_SHARD, {"JOB_COMPLETION_INDEX": "0"}), *flags]) == 0
+    assert cli.cli([*argv_of(PK_MERGE), *flags]) == 0
+    same_rows(out, grid_one)
+    assert len(grid_rows(out)) == 24 and grid_summary(out) == grid_summary(grid_one)
+    # one process resumes the sharded directory: everything is there, nothing is measured
+    before = {p.name: p.read_bytes() for p in res.results_files(out)}
+    assert cli.cli([*argv_of(PK_ONE), *flags]) == 0
+    assert {p.name: p.read_bytes() for p in res.results_files(out)} == before
+
+
+def test_retrieval_torchrun_ranks_equal_one_process(tmp_path, grid_one, tiny_model_dir, tiny_corpus):
+    out = tmp_path / "passkey"
+    done = torchrun(PK_TORCHRUN, tiny_grid(tiny_model_dir, tiny_corpus, out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in res.results_files(out)) == [
+        "results.shard-0-of-2.jsonl", "results.shard-1-of-2.jsonl"]
+    same_rows(out, grid_one)
+    assert grid_summary(out) == grid_summary(grid_one)
 
 
 def test_two_ranks_equal_one_process(one_process, two_ranks):
@@ -227,27 +297,26 @@ def test_shard_parts_partition_the_points():
 def test_sharding_refusals(tmp_path, tiny_model_dir, tiny_corpus, monkeypatch, capsys):
     with pytest.raises(RunError, match="--force"):
         RunConfig(schemes=("int8",), shard=Shard(0, 2), force=True)
-    with pytest.raises(RunError, match="--task ppl"):
-        RunConfig(schemes=("int8",), task="passkey", merge=True)
+    assert RunConfig(schemes=("int8",), task="passkey", merge=True).merge  # retrieval shards too (harness)
     with pytest.raises(RunError, match="without --shard"):
         RunConfig(schemes=("int8",), shard=Shard(0, 2), merge=True)
-    from kvquant.eval import runner
+    from kvquant.eval import harness
 
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("LOCAL_RANK", "1")
-    role = runner._role(RunConfig(schemes=("int8",)))
+    role = harness.role_of(RunConfig(schemes=("int8",)))
     assert role.coordinated and role.shard == Shard(1, 2)
-    assert runner._rank_device("cuda", role) == "cuda:1" and runner._rank_device("cpu", role) == "cpu"
+    assert harness.rank_device("cuda", role) == "cuda:1" and harness.rank_device("cpu", role) == "cpu"
     with pytest.raises(RunError, match="every rank on one device"):
-        runner._rank_device("cuda:0", role)
+        harness.rank_device("cuda:0", role)
     with pytest.raises(RunError, match="job arrays"):
-        runner._role(RunConfig(schemes=("int8",), shard=Shard(0, 2)))
+        harness.role_of(RunConfig(schemes=("int8",), shard=Shard(0, 2)))
     monkeypatch.delenv("RANK")
     with pytest.raises(RunError, match="RANK is not set"):
-        runner._role(RunConfig(schemes=("int8",)))
+        harness.role_of(RunConfig(schemes=("int8",)))
     monkeypatch.setenv("WORLD_SIZE", "1")
-    assert runner._role(RunConfig(schemes=("int8",), shard=Shard(1, 3))).shard == Shard(1, 3)
+    assert harness.role_of(RunConfig(schemes=("int8",), shard=Shard(1, 3))).shard == Shard(1, 3)
     # --merge into a directory no shard wrote
     assert cli.cli([*argv_of(MERGE), *tiny(tiny_model_dir, tiny_corpus, tmp_path / "none")]) == 2
     assert "holds no run (no config.json)" in capsys.readouterr().err
