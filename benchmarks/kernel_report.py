@@ -12,6 +12,7 @@ against the H200's ~18.4 B/clock/SM of HBM (4.8 TB/s), in %.
     python benchmarks/kernel_report.py --quick        # D=128 fp16 only (< 3 min on 2 cores)
     python benchmarks/kernel_report.py --subset ci    # the few variants the CI test compiles
     python benchmarks/kernel_report.py --subset fp8   # FP8 next to int8 and int4-g64 (D=128, fp16 + bf16)
+    python benchmarks/kernel_report.py --subset codebook   # nuq2/3/4, -center, -outP next to int8, int4-g64
     python benchmarks/kernel_report.py --measure      # + each variant run against its fp32 twin
     python benchmarks/kernel_report.py --subset ci --measure --body 128   # the same on a CPU, interpreted
 
@@ -20,7 +21,8 @@ err_bound (the tests' flash-attention bound, 2 |ref_same_dtype - ref32| + atol) 
 on CUDA run in this process, on a CPU interpreted in a child process. It also runs the first-use
 self-check (kvquant.kernels.registry) on a registry of its own: self_check is "pass" or what differed,
 probe_ms the probe's cost (its launch, the twin, the comparison; on a GPU after the compile). Writes
-benchmarks/results/kernel_report.csv (or --csv), row by row. Exit code 1 when a variant fails to compile
+benchmarks/results/kernel_report.csv (or --csv), row by row, and the split kernel's rows as a markdown
+table next to it (kernel_report.md, or --md). Exit code 1 when a variant fails to compile
 or, with --measure, exceeds its bound.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 import os
 import sys
 import time
@@ -55,7 +58,23 @@ SCHEMES = {  # report name: (K spec, V spec)
     "fp8-e4m3": ("fp8-e4m3", "fp8-e4m3"),  # per-token scale (shared by the heads), as int8
     "fp8-e5m2": ("fp8-e5m2", "fp8-e5m2"),
     "fp8-e4m3-tensor": ("fp8-e4m3-tensor", "fp8-e4m3-tensor"),  # vLLM's FP8 cache without k/v scales
+    # codebooks (kernels.layouts.CodebookKernelLayout; stand-in levels, kernels.testing.demo_levels)
+    "nuq4-g64": ("nuq4-g64", "nuq4-g64"),
+    "nuq3-g64": ("nuq3-g64", "nuq3-g64"),  # 8 codes per 3 bytes
+    "nuq2-g64": ("nuq2-g64", "nuq2-g64"),
+    "nuq3": ("nuq3", "nuq3"),  # one scale per token: folded into scores and probabilities
+    "nuq3-sym-head": ("nuq3-head-sym", "nuq3-head-sym"),  # no zero, absmax scale per (token, head)
+    # the best <= 3-bit recipe's kernel part (k=nuq3-channel-g64-prerope,v=int2-g64-rot without -prerope,
+    # whose keys the kernel does not rotate yet, and -rot, which runs outside the kernel)
+    "kvquant-3b": ("nuq3-channel-g64", "int2-g64"),
+    # -center (the key offset added back, one row per 64 tokens) and -outP (exact values written in place)
+    "int4-g64-kcenter": ("int4-g64-center", "int4-g64"),
+    "int4-g64-out1": ("int4-g64-out1", "int4-g64-out1"),  # 2 outliers per (token, head) at D=128
+    "nuq3-g64-kcenter": ("nuq3-g64-center", "nuq3-g64"),
 }
+# the codebook, -center and -outP variants (`--subset codebook`)
+CODEBOOK = ("nuq4-g64", "nuq3-g64", "nuq2-g64", "nuq3", "nuq3-sym-head", "kvquant-3b", "int4-g64-kcenter",
+            "int4-g64-out1", "nuq3-g64-kcenter")
 LAYOUT = (32, 8)  # H_q, H_kv (Llama-3-8B); head_dim varies
 
 
@@ -75,14 +94,21 @@ def variants(subset: str) -> list[Variant]:
     if subset == "ci":
         return [Variant("int4-g64", True, 128, "fp16"), Variant("int8", False, 128, "fp16"),
                 Variant("kivi-2", True, 256, "fp16")]
-    if subset == "gpu":  # gpu_check.sh's: D=128 fp16, plus bf16 for int8, int4-g64 and FP8
-        return variants("quick") + [v for v in variants("fp8") if v.dtype == "bf16"]
+    if subset == "gpu":  # gpu_check.sh's: D=128 fp16, plus bf16 for int8, int4-g64, FP8 and codebooks
+        bf16 = [v for v in variants("fp8") + variants("codebook") if v.dtype == "bf16"]
+        return list(dict.fromkeys(variants("quick") + bf16))
+    if subset == "codebook":  # codebook, -center, -outP next to int8 and int4-g64 (D=128, fp16 + bf16)
+        return [Variant(s, False, 128, dt) for dt in ("fp16", "bf16")
+                for s in ("int8", "int4-g64", *CODEBOOK)]
     if subset == "fp8":
         return [Variant(s, False, 128, dt) for dt in ("fp16", "bf16")
                 for s in ("int8", "int4-g64", "fp8-e4m3", "fp8-e5m2", "fp8-e4m3-tensor")]
     dims = (128,) if subset == "quick" else (64, 128, 256)
     dtypes = ("fp16",) if subset == "quick" else ("fp16", "bf16")
-    return [Variant(s, fp, d, dt) for d in dims for dt in dtypes for s in SCHEMES for fp in (False, True)]
+    # --quick (and gpu_check's subset) compiles the codebook, -center and -outP variants without sink+window
+    # only: the FP loop is the same code for every body codec, and the GPU check has 8 minutes
+    fps = lambda s: (False,) if subset == "quick" and s in CODEBOOK else (False, True)  # noqa: E731
+    return [Variant(s, fp, d, dt) for d in dims for dt in dtypes for s in SCHEMES for fp in fps(s)]
 
 
 def body_bytes_per_64(spec_text: str, h_kv: int, d: int, dtype) -> int:
@@ -104,15 +130,22 @@ def call_variant(v: Variant, device: str = "cpu", body: int = 4096, with_ref: bo
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[v.dtype]
     h_q, h_kv = LAYOUT
     k_spec, v_spec = SCHEMES[v.scheme]
-    bs = 32 if "channel-g32" in k_spec else 16  # a page holds whole channel-wise groups
+    from kvquant.codec import codec_for
+
+    # a page holds whole token groups (channel-wise scales, -center offsets), as the cache's block size does
+    bs = math.lcm(16, *(codec_for(s, h_kv, v.head_dim, dtype).token_group for s in (k_spec, v_spec)))
     layer = make_paged_layer(b=1, h_kv=h_kv, d=v.head_dim, sink=4 if v.fp else 0, body=body,
                              recent=130 if v.fp else 0, recent_offset=5 if v.fp else 0, k=k_spec, v=v_spec,
                              dtype=dtype, block_size=bs, spare=0, device=device)
     q = torch.randn(1, h_q, 1, v.head_dim, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
     mask = torch.ones(1, layer.shape[2], dtype=torch.bool, device=device)
-    if not with_ref:
-        return lambda: decode_attention(q, *layer.decode_args(), None, mask)
     from kvquant.kernels.registry import KernelRegistry, SelfCheck
+
+    if not with_ref:  # a registry of its own: a variant it refuses (cannot be built) is a failed row
+        registry = KernelRegistry("kernel_report", self_check=SelfCheck(enabled=False))
+        run = lambda: decode_attention(q, *layer.decode_args(), None, mask, registry=registry)  # noqa: E731
+        run.registry = registry
+        return run
 
     # a registry of its own: a variant refused here must not hide the compile-only row that follows; and a
     # self-check of its own, on whatever device (the interpreter included), so its verdict is reported
@@ -199,11 +232,14 @@ def report(subset: str, out_csv: Path | None, verbose: bool = True, measure: boo
         error = ""
         with compile_only() as record:
             try:
-                call_variant(v)()
+                run = call_variant(v)
+                run()
+                if run.registry.failed:  # refused by the launcher's registry (logged): a failure, not a row
+                    error = f"refused: {next(iter(run.registry.failed.values()))}".splitlines()[0][:200]
             except Exception as e:  # noqa: BLE001 - a failed compile is a row, not the end of the report
                 error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:200]
         dt = time.perf_counter() - t0
-        if error and not record:
+        if error and all(k is None for k in record):
             rows.append(dict(variant=v.name, kernel="", dtype=v.dtype, head_dim=v.head_dim, error=error,
                              compile_s=round(dt, 1)))
         seen = set()
@@ -240,6 +276,39 @@ def report(subset: str, out_csv: Path | None, verbose: bool = True, measure: boo
     return rows
 
 
+def write_markdown(rows: list[dict], path: Path, subset: str) -> None:
+    """The split kernel's rows as a markdown table (with each row's instructions against int8's of the same
+    dtype and D), for docs and notes: benchmarks/results/kernel_report.md next to the CSV."""
+    base = {(r["dtype"], r["head_dim"]): r["loop_instr_per_64_tokens"] for r in rows
+            if r.get("variant") == "int8" and "split" in r.get("kernel", "")}
+    lines = [
+        f"# Compiled decode kernels (sm_90, compiled on a CPU; `kernel_report.py --subset {subset}`)",
+        "",
+        "SASS instructions per warp per 64-token body iteration of `_paged_split_kernel` (one program, 4 "
+        "warps), registers, spill bytes, shared memory, programs per SM on an H200, bytes one program reads "
+        "per 64 tokens (K + V of one KV head: codes, scales, zeros), and the instruction-issue ceiling "
+        "against HBM bandwidth (4 warp-instructions per clock per SM, 18.4 B/clock/SM). H_q=32, H_kv=8. "
+        "No timing: compile-only (the machine's load does not change these numbers).",
+        "",
+        "| variant | dtype | D | regs | spill | smem | prog/SM | instr/64 tok | vs int8 | B/64 tok | ceil% |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "split" not in r.get("kernel", ""):
+            if r.get("error"):
+                lines.append(f"| {r['variant']} | {r['dtype']} | {r['head_dim']} | FAILED: {r['error']} "
+                             "| | | | | | | |")
+            continue
+        b = base.get((r["dtype"], r["head_dim"]))
+        n = r["loop_instr_per_64_tokens"]
+        ratio = f"{n / b:.2f}" if b and n else ""
+        lines.append(f"| {r['variant']} | {r['dtype']} | {r['head_dim']} | {r['regs']} | "
+                     f"{r['spill_bytes']} | {r['smem_bytes']} | {r['programs_per_sm']} | {n} | {ratio} | "
+                     f"{r['bytes_per_64_tokens']} | {r['ceiling_pct']} |")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+
+
 _HEADER = (f"{'variant':<22} {'kernel':<24} {'dt':<4} {'D':>3} {'regs':>4} {'spill':>5} {'smem':>7} "
            f"{'p/SM':>4} {'loop':>5} {'fp':>5} {'B/64t':>6} {'ceil%':>6} {'s':>5}")
 
@@ -259,8 +328,9 @@ def print_row(r: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="D=128 fp16 variants only")
-    p.add_argument("--subset", choices=["all", "quick", "ci", "fp8", "gpu"], default=None)
+    p.add_argument("--subset", choices=["all", "quick", "ci", "fp8", "codebook", "gpu"], default=None)
     p.add_argument("--csv", type=Path, default=None)
+    p.add_argument("--md", type=Path, default=None, help="markdown table (default: the CSV's name, .md)")
     p.add_argument("--measure", action="store_true",
                    help="also run each variant and record its max error against the fp32 reference "
                         "(on CUDA; on a CPU interpreted, in a child process: use a small --body)")
@@ -279,6 +349,7 @@ def main(argv=None) -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     print(_HEADER)
     rows = report(subset, out, measure=args.measure, body=args.body)
+    write_markdown(rows, args.md or out.with_suffix(".md"), subset)
     failed = [r for r in rows if r.get("error")]
     bad = [r for r in rows if args.measure and "split" in r.get("kernel", "") and r.get("err_ok") != "true"]
     for r in bad:

@@ -2,6 +2,8 @@
 
     quantize_pack       quantize + pack new K/V tokens straight into pages (bit-exact with codec.encode)
     decode_attention    paged flash-decoding over sink | packed body | recent, GQA/MQA, bool key masks
+    codebook            nuq2/3/4 level lookup inside decode_attention (PRMT tables in registers, compiled)
+    layouts             which codecs decode_attention reads and how (no triton import; backend.py asks it)
     dispatch            the entry points the cache and attention call (with fallbacks)
     registry            KernelRegistry: launches variants, remembers the ones that cannot be built
     compiled            compile for sm_90 without a GPU; registers, spills, smem, SASS loop sizes

@@ -65,8 +65,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kvquant.codec_transforms import KernelFrame, kernel_frame
+from kvquant.codec_transforms import KernelFrame
 
+from .codebook import _level, lut_tables, lut_words, words_ok
+from .layouts import decode_frame, decode_layout, decode_parts, device_levels
 from .registry import KernelRegistry, default_registry
 
 __all__ = ["decode_attention", "decode_attention_ref", "gather_region", "BLOCK_T"]
@@ -239,12 +241,42 @@ def _fp8_w8(p, BLOCK_T: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, OUT: t
 
 
 @triton.jit
+def _code_ints(c_ptr, row, valid, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """The packed codes of rows `row` (BLOCK_T,) of a code pool -> (BLOCK_T, D) uint32 codes (packing):
+    2 / 4 / 8 bits lowest bits first within a byte; 3 bits 8 codes per 24-bit little-endian unit of 3 bytes,
+    loaded as three (BLOCK_T, D // 8) byte tiles (a row of 3 D / 8 bytes is not a power of two wide).
+    (One return at the end: the compiler also walks the statements after a constexpr branch's return.)"""
+    if BITS == 3:
+        U: tl.constexpr = D // 8
+        base = row[:, None] * (3 * U) + 3 * tl.arange(0, U)[None, :]  # (BLOCK_T, U): first byte of each unit
+        w = tl.load(c_ptr + base, mask=valid[:, None], other=0).to(tl.uint32)
+        w = w | (tl.load(c_ptr + base + 1, mask=valid[:, None], other=0).to(tl.uint32) << 8)
+        w = w | (tl.load(c_ptr + base + 2, mask=valid[:, None], other=0).to(tl.uint32) << 16)
+        c0, c1, c2, c3 = w & 7, (w >> 3) & 7, (w >> 6) & 7, (w >> 9) & 7
+        c4, c5, c6, c7 = (w >> 12) & 7, (w >> 15) & 7, (w >> 18) & 7, w >> 21
+        # [.., u, x, y, z] = code 8u + 4x + 2y + z: the innermost join is x, the outermost z
+        c = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+    else:
+        PER: tl.constexpr = 8 // BITS
+        COLS: tl.constexpr = D // PER
+        p = tl.load(c_ptr + row[:, None] * COLS + tl.arange(0, COLS)[None, :], mask=valid[:, None], other=0)
+        w = p.to(tl.uint32)
+        if BITS == 8:
+            c = w
+        elif BITS == 4:
+            c = tl.join(w & 15, w >> 4)  # [.., j, i] = code 2j + i
+        else:  # [.., j, a, c] = code 4j + 2a + c
+            c = tl.join(tl.join(w & 3, (w >> 4) & 3), tl.join((w >> 2) & 3, w >> 6))
+    return tl.reshape(c, (BLOCK_T, D))
+
+
+@triton.jit
 def _stat(ptr, offs, mask, SYM: tl.constexpr, BITS: tl.constexpr, OUT: tl.constexpr, IS_ZERO: tl.constexpr,
-          FMT: tl.constexpr = 0):
+          FMT: tl.constexpr = 0, LUT: tl.constexpr = False):
     """A scale (divided by qmax when symmetric integer, in fp32) or zero, loaded and cast to OUT; an FP8
-    scale (FMT > 0) is the stored one as it is."""
+    scale (FMT > 0) or a codebook's (LUT: absmax or half range) is the stored one as it is."""
     x = tl.load(ptr + offs, mask=mask, other=0.0)
-    if SYM and not IS_ZERO and FMT == 0:
+    if SYM and not IS_ZERO and FMT == 0 and not LUT:
         QMAX: tl.constexpr = (1 << (BITS - 1)) - 1
         x = x.to(tl.float32) * (1.0 / QMAX)
     return x.to(OUT)
@@ -252,10 +284,12 @@ def _stat(ptr, offs, mask, SYM: tl.constexpr, BITS: tl.constexpr, OUT: tl.conste
 
 @triton.jit
 def _load_body(
-    c_ptr, s_ptr, z_ptr, pg, slot, h, valid, tab_row, s_btn, t0, hi, B_OFF,
+    c_ptr, s_ptr, z_ptr, lv_ptr, o_ptr, ov_ptr, oi_ptr, tab, pg, slot, h, valid, tab_row, s_btn, t0, hi,
+    B_OFF,
     H_KV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
     SYM: tl.constexpr, TE: tl.constexpr, CE: tl.constexpr, SHARED: tl.constexpr, IDX64: tl.constexpr,
-    OUT: tl.constexpr, ASM: tl.constexpr, FMT: tl.constexpr, UNIT: tl.constexpr,
+    OUT: tl.constexpr, ASM: tl.constexpr, FMT: tl.constexpr, UNIT: tl.constexpr, LUT: tl.constexpr,
+    CENTER: tl.constexpr = 0, OUTK: tl.constexpr = 0,
 ):
     """Body tokens at pages pg (BLOCK_T,) int32, slots slot (BLOCK_T,) of KV head h ->
     (x (BLOCK_T, D) in OUT, s, z (BLOCK_T,) fp32).
@@ -273,7 +307,16 @@ def _load_body(
     holds BLOCK_T // TE whole scale rows (t0, B_OFF and BS are multiples of TE): those rows are loaded
     once, (BLOCK_T // TE, D), and broadcast along their TE tokens, instead of one row per token.
     FMT 1 / 2: float8 codes (E4M3 / E5M2, kvquant.codec_fp8) read as int32 words, their values times the
-    scale laid out as above (no zero; SYM); UNIT: no scale at all (`-tensor`), x is the codes' values."""
+    scale laid out as above (no zero; SYM); UNIT: no scale at all (`-tensor`), x is the codes' values.
+    LUT: codebook codes (`kernels.layouts.CodebookKernelLayout`; BITS 2, 3 or 4): each code is looked up in
+    the levels table lv_ptr (`kernels.codebook.table_for`: fp16 bits, or fp32 for fp32 attention; tab: its
+    PRMT planes on the compiled path), then scaled as above with the stored scale as it is (no qmax):
+    level * scale (+ zero), folded for one scale per token just as integer codes are. Codes are read as
+    int32 words when the launcher viewed the pool so (`kernels.codebook`), else byte by byte.
+    OUTK > 0 (`-outP` around the codec): the token's OUTK exact values (ov_ptr, the K/V dtype) replace the
+    dequantized values at their channels (oi_ptr); CENTER > 0 (`-centerN`): the offset row of each N
+    tokens (o_ptr, (P * H * BS / N, D)) is added, loaded once per block when N divides it. Either one turns
+    the folding of a per-token scale off (x is then dequantized here)."""
     offs_d = tl.arange(0, D)
     row = (pg * H_KV + h) * BS + slot  # (BLOCK_T,) row of the (P * H * BS, cols) pool
     if IDX64:
@@ -284,23 +327,42 @@ def _load_body(
         s = none
         z = none
     else:
-        PER: tl.constexpr = 8 // BITS
-        WORDS: tl.constexpr = c_ptr.dtype.element_ty == tl.int32  # 8-bit codes read as int32 words
-        COLS: tl.constexpr = D // PER // 4 if WORDS else D // PER
-        offs_b = tl.arange(0, COLS)
-        p = tl.load(c_ptr + row[:, None] * COLS + offs_b[None, :], mask=valid[:, None], other=0)
-        BIAS: tl.constexpr = (1 << (BITS - 1)) if SYM else 0
+        BIAS: tl.constexpr = (1 << (BITS - 1)) if SYM and not LUT else 0
         # fp16: codes and dequantization in fp16 (packed HFMA2); bf16 and fp32: in fp32 (the interpreter has
         # no bf16 arithmetic), then one rounding to OUT (codes stay exact: |c| <= 255)
         MATH: tl.constexpr = tl.float16 if OUT == tl.float16 else tl.float32
-        if FMT != 0 and WORDS:
-            c = _fp8_w8(p, BLOCK_T, D, FMT, MATH, ASM)  # (BLOCK_T, D): the float8 values
-        elif FMT != 0:  # a pool not aligned to words: byte by byte
-            c = _fp8_byte_f16(p.to(tl.int32), FMT).to(MATH)
-        elif WORDS:
-            c = _codes_w8(p, BLOCK_T, D, BIAS, MATH, ASM)  # (BLOCK_T, D): code - offset
+        if LUT:  # codebook: the level of each code, in MATH
+            F32: tl.constexpr = OUT == tl.float32  # an fp32 table, looked up generically
+            if c_ptr.dtype.element_ty == tl.int32:  # codes as words: in registers when compiled
+                if BITS == 3:
+                    M: tl.constexpr = D // 32  # 12-byte groups (32 codes) per row
+                    base = row[:, None] * (3 * M) + 3 * tl.arange(0, M)[None, :]
+                    w0 = tl.load(c_ptr + base, mask=valid[:, None], other=0)
+                    w1 = tl.load(c_ptr + base + 1, mask=valid[:, None], other=0)
+                    w2 = tl.load(c_ptr + base + 2, mask=valid[:, None], other=0)
+                    p = (w0, w1, w2)
+                else:
+                    COLW: tl.constexpr = D * BITS // 32
+                    p = tl.load(c_ptr + row[:, None] * COLW + tl.arange(0, COLW)[None, :],
+                                mask=valid[:, None], other=0)
+                c = lut_words(p, lv_ptr, tab[0], tab[1], tab[2], tab[3], tab[4], tab[5], tab[6], tab[7],
+                              BLOCK_T, D, BITS, F32, ASM and not F32).to(MATH)  # (BLOCK_T, D)
+            else:
+                c = _level(lv_ptr, _code_ints(c_ptr, row, valid, BLOCK_T, D, BITS), F32).to(MATH)
         else:
-            c = _codes(p, BLOCK_T, D, BITS, BIAS, MATH, ASM)
+            PER: tl.constexpr = 8 // BITS
+            WORDS: tl.constexpr = c_ptr.dtype.element_ty == tl.int32  # 8-bit codes read as int32 words
+            COLS: tl.constexpr = D // PER // 4 if WORDS else D // PER
+            offs_b = tl.arange(0, COLS)
+            p = tl.load(c_ptr + row[:, None] * COLS + offs_b[None, :], mask=valid[:, None], other=0)
+            if FMT != 0 and WORDS:
+                c = _fp8_w8(p, BLOCK_T, D, FMT, MATH, ASM)  # (BLOCK_T, D): the float8 values
+            elif FMT != 0:  # a pool not aligned to words: byte by byte
+                c = _fp8_byte_f16(p.to(tl.int32), FMT).to(MATH)
+            elif WORDS:
+                c = _codes_w8(p, BLOCK_T, D, BIAS, MATH, ASM)  # (BLOCK_T, D): code - offset
+            else:
+                c = _codes(p, BLOCK_T, D, BITS, BIAS, MATH, ASM)
         NG: tl.constexpr = D // CE
         if TE == 1:
             srow = row if not SHARED else pg * BS + slot
@@ -315,11 +377,17 @@ def _load_body(
         if UNIT:  # FP8 -tensor: scale 1, nothing stored
             x = c
         elif TE == 1 and NG == 1:  # one scale per token (and head): folded by the caller
-            s = _stat(s_ptr, srow, valid, SYM, BITS, tl.float32, False, FMT)
+            s = _stat(s_ptr, srow, valid, SYM, BITS, tl.float32, False, FMT, LUT)
             z = none
             if not SYM:
                 z = _stat(z_ptr, srow, valid, SYM, BITS, tl.float32, True)
             x = c
+            if CENTER + OUTK > 0:  # the transforms need the values: dequantize (no folding)
+                x = c * s.to(MATH)[:, None]
+                if not SYM:
+                    x = x + z.to(MATH)[:, None]
+                s = none
+                z = none
         elif TE > 1 and TE <= BLOCK_T:  # channel-wise: the block's BLOCK_T // TE scale rows, broadcast
             NR: tl.constexpr = BLOCK_T // TE
             rg = t0 + tl.arange(0, NR) * TE  # first token of each scale row
@@ -331,7 +399,7 @@ def _load_body(
             if IDX64:
                 srg = srg.to(tl.int64)
             sp = srg[:, None] * D + offs_d[None, :]  # (NR, D)
-            sc = _stat(s_ptr, sp, vg[:, None], SYM, BITS, MATH, False, FMT)[:, None, :]
+            sc = _stat(s_ptr, sp, vg[:, None], SYM, BITS, MATH, False, FMT, LUT)[:, None, :]
             c3 = tl.reshape(c, (NR, TE, D))
             if SYM:
                 x3 = c3 * sc
@@ -340,7 +408,7 @@ def _load_body(
             x = tl.reshape(x3, (BLOCK_T, D))
         elif TE > 1:  # channel-wise, TE > BLOCK_T: a row per token (L1 serves the repeats)
             sp = srow[:, None] * D + offs_d[None, :]
-            sc = _stat(s_ptr, sp, valid[:, None], SYM, BITS, MATH, False, FMT)
+            sc = _stat(s_ptr, sp, valid[:, None], SYM, BITS, MATH, False, FMT, LUT)
             if SYM:
                 x = c * sc
             else:
@@ -348,13 +416,35 @@ def _load_body(
         else:  # NG groups of CE channels: a (BLOCK_T, NG) tile, broadcast along each group
             offs_g = tl.arange(0, NG)
             sp = srow[:, None] * NG + offs_g[None, :]
-            sc = _stat(s_ptr, sp, valid[:, None], SYM, BITS, MATH, False, FMT)[:, :, None]
+            sc = _stat(s_ptr, sp, valid[:, None], SYM, BITS, MATH, False, FMT, LUT)[:, :, None]
             c3 = tl.reshape(c, (BLOCK_T, NG, CE))
             if SYM:
                 x3 = c3 * sc
             else:
                 x3 = c3 * sc + _stat(z_ptr, sp, valid[:, None], SYM, BITS, MATH, True)[:, :, None]
             x = tl.reshape(x3, (BLOCK_T, D))
+        if OUTK > 0:  # -outP: the exact values at their channels
+            for jo in tl.static_range(OUTK):
+                oi = tl.load(oi_ptr + row * OUTK + jo, mask=valid, other=0).to(tl.int32)  # (BLOCK_T,)
+                ov = tl.load(ov_ptr + row * OUTK + jo, mask=valid, other=0.0).to(MATH)
+                x = tl.where(offs_d[None, :] == oi[:, None], ov[:, None], x)
+        if CENTER > 0:  # -centerN: the offset of each N tokens added back
+            if BLOCK_T % CENTER == 0:  # the block holds BLOCK_T // N whole offset rows: one load each
+                NO: tl.constexpr = BLOCK_T // CENTER
+                rg = t0 + tl.arange(0, NO) * CENTER
+                jg = (B_OFF + rg).to(tl.uint32)
+                pgo = tl.load(tab_row + (jg // BS) * s_btn, mask=rg < hi, other=0).to(tl.int32)
+                orow = (pgo * H_KV + h) * (BS // CENTER) + (jg % BS).to(tl.int32) // CENTER
+                if IDX64:
+                    orow = orow.to(tl.int64)
+                off = tl.load(o_ptr + orow[:, None] * D + offs_d[None, :], mask=(rg < hi)[:, None], other=0.0)
+                x = tl.reshape(tl.reshape(x, (NO, CENTER, D)) + off.to(MATH)[:, None, :], (BLOCK_T, D))
+            else:  # N > BLOCK_T: a row per token (L1 serves the repeats)
+                orow = (pg * H_KV + h) * (BS // CENTER) + slot // CENTER
+                if IDX64:
+                    orow = orow.to(tl.int64)
+                off = tl.load(o_ptr + orow[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
+                x = x + off.to(MATH)
     return x.to(OUT), s, z
 
 
@@ -414,8 +504,10 @@ def _paged_split_kernel(
     stab_ptr, s_stb, s_stn, S,  # sink region: table (B, n) int64, length (offset 0)
     rtab_ptr, s_rtb, s_rtn, R, R_OFF,  # recent region: table, length, offset
     btab_ptr, s_btb, s_btn, T_BODY, B_OFF,  # body region: table, length, offset
-    kc_ptr, ks_ptr, kz_ptr,  # K body pools: codes (or values), scale, zero; contiguous
-    vc_ptr, vs_ptr, vz_ptr,  # V body pools
+    kc_ptr, ks_ptr, kz_ptr, kl_ptr,  # K body pools: codes (or values), scale, zero; contiguous; levels
+    ko_ptr, kov_ptr, koi_ptr,  # K's -center offset, -outP values and indices (when K_CENTER / K_OUT)
+    vc_ptr, vs_ptr, vz_ptr, vl_ptr,  # V body pools; codebook levels (2^bits,) when V_LUT
+    vo_ptr, vov_ptr, voi_ptr,
     mask_ptr, s_mb, s_mt,  # key_mask (B, T) as uint8; s_mb = 0 for a broadcast (1, T) mask
     m_ptr, l_ptr, acc_ptr,  # partials (B * H_kv, NSPLIT, G[, D]), contiguous fp32
     N_BODY_SPLITS, NSPLIT, BODY_CHUNK, FP_CHUNK, qk_scale,
@@ -424,6 +516,8 @@ def _paged_split_kernel(
     K_BITS: tl.constexpr, K_SYM: tl.constexpr, K_TE: tl.constexpr, K_CE: tl.constexpr, K_SHARED: tl.constexpr,
     V_BITS: tl.constexpr, V_SYM: tl.constexpr, V_TE: tl.constexpr, V_CE: tl.constexpr, V_SHARED: tl.constexpr,
     K_FMT: tl.constexpr, K_UNIT: tl.constexpr, V_FMT: tl.constexpr, V_UNIT: tl.constexpr,
+    K_LUT: tl.constexpr, V_LUT: tl.constexpr,
+    K_CENTER: tl.constexpr, K_OUT: tl.constexpr, V_CENTER: tl.constexpr, V_OUT: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BODY: tl.constexpr, HAS_FP: tl.constexpr, DOT_FP32: tl.constexpr,
     BODY_STAGES: tl.constexpr, FP_STAGES: tl.constexpr, W: tl.constexpr,
     ASM: tl.constexpr,
@@ -444,8 +538,9 @@ def _paged_split_kernel(
     qsum = tl.sum(q.to(tl.float32), axis=1)  # (G_PAD,): the zero of an asymmetric per-token K, folded
     q = tl.broadcast_to(q[None, :, :], (W, G_PAD, D))
     none = tl.zeros((BLOCK_T,), tl.float32)
-    K_FOLD: tl.constexpr = K_BITS < 16 and K_TE == 1 and K_CE == D and not K_UNIT
-    V_FOLD: tl.constexpr = V_BITS < 16 and V_TE == 1 and V_CE == D and not V_UNIT
+    # a per-token scale is folded, unless a transform needs the dequantized values (-center, -outP)
+    K_FOLD: tl.constexpr = K_BITS < 16 and K_TE == 1 and K_CE == D and not K_UNIT and K_CENTER + K_OUT == 0
+    V_FOLD: tl.constexpr = V_BITS < 16 and V_TE == 1 and V_CE == D and not V_UNIT and V_CENTER + V_OUT == 0
     m_i = tl.full((W, G_PAD), float("-inf"), tl.float32)
     l_i = tl.zeros((W, G_PAD), tl.float32)
     acc = tl.zeros((W, D, G_PAD), tl.float32)
@@ -455,6 +550,11 @@ def _paged_split_kernel(
             lo = split * BODY_CHUNK
             hi = tl.minimum(lo + BODY_CHUNK, T_BODY)
             tab_row = btab_ptr + b64 * s_btb
+            # a codebook's PRMT planes, once per program (compiled, fp16/bf16, codes read as words)
+            ktab = lut_tables(kl_ptr, K_BITS, K_LUT and ASM and cdt != tl.float32
+                              and kc_ptr.dtype.element_ty == tl.int32)
+            vtab = lut_tables(vl_ptr, V_BITS, V_LUT and ASM and cdt != tl.float32
+                              and vc_ptr.dtype.element_ty == tl.int32)
             for t0 in tl.range(lo, hi, BLOCK_T, num_stages=BODY_STAGES):
                 r = t0 + offs_t
                 valid = r < hi
@@ -463,12 +563,14 @@ def _paged_split_kernel(
                 j = (B_OFF + r).to(tl.uint32)  # unsigned: // and % by a power of two are shifts and masks
                 pg = tl.load(tab_row + (j // BS) * s_btn, mask=valid, other=0).to(tl.int32)  # page ids
                 slot = (j % BS).to(tl.int32)
-                k, ks, kz = _load_body(kc_ptr, ks_ptr, kz_ptr, pg, slot, h, valid, tab_row, s_btn, t0, hi,
-                                       B_OFF, H_KV, D, BLOCK_T, BS,
-                                       K_BITS, K_SYM, K_TE, K_CE, K_SHARED, IDX64, cdt, ASM, K_FMT, K_UNIT)
-                v, vs, vz = _load_body(vc_ptr, vs_ptr, vz_ptr, pg, slot, h, valid, tab_row, s_btn, t0, hi,
-                                       B_OFF, H_KV, D, BLOCK_T, BS,
-                                       V_BITS, V_SYM, V_TE, V_CE, V_SHARED, IDX64, cdt, ASM, V_FMT, V_UNIT)
+                k, ks, kz = _load_body(kc_ptr, ks_ptr, kz_ptr, kl_ptr, ko_ptr, kov_ptr, koi_ptr, ktab, pg,
+                                       slot, h, valid, tab_row, s_btn, t0, hi, B_OFF, H_KV, D, BLOCK_T, BS,
+                                       K_BITS, K_SYM, K_TE, K_CE, K_SHARED, IDX64, cdt, ASM, K_FMT, K_UNIT,
+                                       K_LUT, K_CENTER, K_OUT)
+                v, vs, vz = _load_body(vc_ptr, vs_ptr, vz_ptr, vl_ptr, vo_ptr, vov_ptr, voi_ptr, vtab, pg,
+                                       slot, h, valid, tab_row, s_btn, t0, hi, B_OFF, H_KV, D, BLOCK_T, BS,
+                                       V_BITS, V_SYM, V_TE, V_CE, V_SHARED, IDX64, cdt, ASM, V_FMT, V_UNIT,
+                                       V_LUT, V_CENTER, V_OUT)
                 m_i, l_i, acc = _attend(q, qsum, k, ks, kz, v, vs, vz, valid, m_i, l_i, acc, qk_scale,
                                         K_FOLD, K_SYM, V_FOLD, V_SYM, W, DOT_FP32)
     else:
@@ -598,16 +700,57 @@ def _table_args(region, bsz: int, like: torch.Tensor):
 _FP8_FORMATS = {"e4m3": 1, "e5m2": 2}
 
 
-def _body_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: int, bs: int, like):
-    """(codes, scale, zero) pools and (BITS, SYM, TE, CE, SHARED, FMT, UNIT) of one body; dummies when absent.
-    FMT: 0 integer codes, 1 / 2 float8 E4M3 / E5M2 (an `FP8KernelLayout`); UNIT: FP8 without a scale."""
+def _body_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: int, bs: int, like,
+               registry=None):
+    """(codes, scale, zero, levels, offset, out_values, out_index) pools and (BITS, SYM, TE, CE, SHARED, FMT,
+    UNIT, LUT, CENTER, OUTK) of one body (`_base_args`, plus the `-center` / `-outP` fields around the base
+    codec, `kernels.layouts.decode_parts`); dummies when absent."""
+    base, extra = _base_args(None if codec is None else decode_parts(codec).base, pages, h_kv, d, bs, like,
+                             registry)
     if codec is None:
-        return (like, like, like), (16, False, 1, d, False, 0, False)
-    lay = codec.kernel_layout()
+        return (*base, like, like, like), (*extra, 0, 0)
+    parts = decode_parts(codec)
+    offset = vals = index = like
+    if parts.center:
+        offset = pages["offset"]
+        _check_pool("offset", offset, (h_kv, bs // parts.center, d), like)
+        if offset.dtype not in _FLOAT:
+            raise TypeError(f"decode_attention: the offset pool must be float, got {offset.dtype}")
+    if parts.outliers:
+        vals, index = pages["out_values"], pages["out_index"]
+        for name, t in (("out_values", vals), ("out_index", index)):
+            _check_pool(name, t, (h_kv, bs, parts.outliers), like)
+    return (*base, offset, vals, index), (*extra, parts.center, parts.outliers)
+
+
+def _base_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: int, bs: int, like,
+               registry=None):
+    """(codes, scale, zero, levels) pools and (BITS, SYM, TE, CE, SHARED, FMT, UNIT, LUT) of one body's base
+    codec; dummies when absent. FMT: 0 integer codes, 1 / 2 float8 E4M3 / E5M2 (an `FP8KernelLayout`);
+    UNIT: FP8 without a scale; LUT: codebook codes (`CodebookKernelLayout`), levels their table
+    (`kernels.codebook.table_for`)."""
+    if codec is None:
+        return (like, like, like, like), (16, False, 1, d, False, 0, False, False)
+    lay = decode_layout(codec)
     if lay.bits == 16:
         vals = pages["values"]
         _check_pool("values", vals, (h_kv, bs, d), like)
-        return (vals, vals, vals), (16, False, 1, d, False, 0, False)
+        return (vals, vals, vals, vals), (16, False, 1, d, False, 0, False, False)
+    if getattr(lay, "codebook", False):
+        codes, scale = pages["codes"], pages["scale"]
+        zero = scale if lay.symmetric else pages["zero"]
+        if codes.dtype != torch.uint8:
+            raise TypeError(f"decode_attention: packed codes must be uint8, got {codes.dtype}")
+        _check_pool("codes", codes, (h_kv, bs, d * lay.bits // 8), like)
+        shared = lay.shared_heads or h_kv == 1 or scale.shape[1] == 1
+        for name, t in (("scale", scale), ("zero", zero)):
+            _check_pool(name, t, (1 if shared else h_kv, bs // lay.token_extent, d // lay.channel_extent),
+                        like)
+        levels = device_levels(codec, like.device, registry, like.dtype)
+        if words_ok(lay.bits, d) and codes.storage_offset() % 4 == 0:
+            codes = codes.view(torch.int32)  # read as words (kernels.codebook)
+        return (codes, scale, zero, levels), (lay.bits, lay.symmetric, lay.token_extent, lay.channel_extent,
+                                              shared, 0, False, True)
     fp8 = getattr(lay, "fp8", None)
     fmt, unit = (_FP8_FORMATS[fp8], bool(lay.unit_scale)) if fp8 is not None else (0, False)
     if unit:
@@ -617,7 +760,7 @@ def _body_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: in
         _check_pool("codes", codes, (h_kv, bs, d), like)
         if codes.storage_offset() % 4 == 0:
             codes = codes.view(torch.int32)
-        return (codes, codes, codes), (8, True, 1, d, False, fmt, True)
+        return (codes, codes, codes, codes), (8, True, 1, d, False, fmt, True, False)
     codes, scale = pages["codes"], pages["scale"]
     zero = pages.get("zero", scale) if not lay.symmetric else scale
     if codes.dtype != torch.uint8:
@@ -628,8 +771,8 @@ def _body_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: in
     shared = lay.shared_heads or h_kv == 1 or scale.shape[1] == 1
     for name, t in (("scale", scale), ("zero", zero)):
         _check_pool(name, t, (1 if shared else h_kv, bs // lay.token_extent, d // lay.channel_extent), like)
-    return (codes, scale, zero), (lay.bits, lay.symmetric, lay.token_extent, lay.channel_extent, shared, fmt,
-                                  False)
+    return (codes, scale, zero, codes), (lay.bits, lay.symmetric, lay.token_extent, lay.channel_extent,
+                                         shared, fmt, False, False)
 
 
 def _check_pool(name: str, t: torch.Tensor, tail: tuple[int, ...], like: torch.Tensor) -> None:
@@ -683,14 +826,15 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
                 raise TypeError(f"decode_attention: {name} must be float, got {pool.dtype}")
     if t_body:
         for codec in (key_codec, value_codec):
-            te = codec.kernel_layout().token_extent
+            te = max(decode_layout(codec).token_extent, codec.token_group)
             if bs % te or int(body.offset) % te:
                 raise ValueError(f"decode_attention: block_size {bs} and the body offset must be multiples "
                                  f"of the token group {te}")
-    kb, (k_bits, k_sym, k_te, k_ce, k_sh, k_fmt, k_unit) = _body_args(
-        key_codec if t_body else None, key_pages, h_kv, d, bs, query)
-    vb, (v_bits, v_sym, v_te, v_ce, v_sh, v_fmt, v_unit) = _body_args(
-        value_codec if t_body else None, value_pages, h_kv, d, bs, query)
+    registry = registry or default_registry()
+    kb, (k_bits, k_sym, k_te, k_ce, k_sh, k_fmt, k_unit, k_lut, k_center, k_out) = _body_args(
+        key_codec if t_body else None, key_pages, h_kv, d, bs, query, registry)
+    vb, (v_bits, v_sym, v_te, v_ce, v_sh, v_fmt, v_unit, v_lut, v_center, v_out) = _body_args(
+        value_codec if t_body else None, value_pages, h_kv, d, bs, query, registry)
 
     g = h_q // h_kv
     g_pad = max(8, triton.next_power_of_2(g))  # the N side of P V (mma n8), padded
@@ -727,7 +871,8 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
         H_KV=h_kv, G=g, G_PAD=g_pad, D=d, BLOCK_T=BLOCK_T, BS=bs, IDX64=idx64,
         K_BITS=k_bits, K_SYM=k_sym, K_TE=k_te, K_CE=k_ce, K_SHARED=k_sh,
         V_BITS=v_bits, V_SYM=v_sym, V_TE=v_te, V_CE=v_ce, V_SHARED=v_sh,
-        K_FMT=k_fmt, K_UNIT=k_unit, V_FMT=v_fmt, V_UNIT=v_unit,
+        K_FMT=k_fmt, K_UNIT=k_unit, V_FMT=v_fmt, V_UNIT=v_unit, K_LUT=k_lut, V_LUT=v_lut,
+        K_CENTER=k_center, K_OUT=k_out, V_CENTER=v_center, V_OUT=v_out,
         HAS_MASK=has_mask, HAS_BODY=t_body > 0, HAS_FP=has_fp, DOT_FP32=dot_fp32,
         BODY_STAGES=body_stages or 0, FP_STAGES=fp_stages, W=0, ASM=not _interpreting(),
     )
@@ -735,6 +880,8 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
     consts["W"] = min(num_warps, BLOCK_T // 16)  # token slabs with a running softmax each (>= 16 tokens)
     consts["BODY_STAGES"] = body_stages or (2 if d <= 128 else 1)  # D=256, 2 stages: 116 KB of smem
     variant = (query.dtype, *(fpk.dtype, kb[0].dtype, kb[1].dtype, vb[0].dtype, vb[1].dtype),
+               *((kb[3].dtype, vb[3].dtype) if k_lut or v_lut else ()),
+               *(tuple(t.dtype for t in kb[4:] + vb[4:]) if k_center or k_out or v_center or v_out else ()),
                num_warps, *sorted(consts.items()))
     args = (
         q3, *q3.stride()[:2],
@@ -888,7 +1035,7 @@ def decode_attention(
     """
     kf = vf = None
     if _length(body):
-        kf, vf = (kernel_frame(c, query.device) for c in (key_codec, value_codec))
+        kf, vf = (decode_frame(c, query.device) for c in (key_codec, value_codec))
         for codec, frame in ((key_codec, kf), (value_codec, vf)):
             if frame is None:
                 raise ValueError(f"decode_attention: no kernel reads the codec {codec}")

@@ -24,6 +24,7 @@ from kvquant.quantize import QTensor, quantize
 from kvquant.scheme import QuantSpec
 
 from .decode_attention import decode_attention
+from .layouts import decode_frame
 from .quantize_pack import quantize_pack as _quantize_pack_kernel
 from .quantize_pack import quantize_pack_into as _quantize_pack_into_kernel
 from .quantize_pack import quantize_pack_into_ref
@@ -67,11 +68,11 @@ def fused_attention(query: torch.Tensor, view, attention_mask: torch.Tensor | No
     (regions with .table, .offset, .length), key_codec, value_codec, key_pages, value_pages, shape
     (B, H_kv, T, D), and optionally kernel_registry.
     Served: decode (q == 1), fp16/bf16/fp32, head_dim a power of two >= 16, codecs that
-    `kvquant.codec_transforms.kernel_frame` serves (a kernel layout, or `-rot` around one), attention_mask
-    None or bool (B or 1, 1, 1, >= T) with True = attend (transformers' sdpa_mask), any pattern; only its
-    first T columns count. Anything else (float masks, other shapes, a variant that cannot be built here)
-    returns None: the caller's reference path. The mask goes to the kernel as a view, never looked at
-    here, so nothing syncs with the device.
+    `kvquant.kernels.layouts.decode_frame` serves (a kernel layout, a codebook, or `-rot` around either),
+    attention_mask None or bool (B or 1, 1, 1, >= T) with True = attend (transformers' sdpa_mask), any
+    pattern; only its first T columns count. Anything else (float masks, other shapes, a variant that
+    cannot be built here) returns None: the caller's reference path. The mask goes to the kernel as a
+    view, never looked at here, so nothing syncs with the device.
     A sequence with no attended token gets zeros, as SDPA's math path gives.
     """
     if query.dim() != 4 or query.shape[2] != 1 or query.dtype not in _FLOAT:
@@ -83,7 +84,7 @@ def fused_attention(query: torch.Tensor, view, attention_mask: torch.Tensor | No
         return None
     if view.body is not None and view.body.length:
         for codec in (view.key_codec, view.value_codec):
-            if kernel_frame(codec, query.device) is None:
+            if decode_frame(codec, query.device) is None:
                 return None
     kv_len = view.shape[2]
     key_mask = None

@@ -105,6 +105,8 @@ class KernelRegistry:
         self.name = name
         self.failed: dict[tuple, str] = {}
         self._self_check = self_check
+        # small per-device constants of a codec (codebook levels), copied once: (key) -> (source, copy)
+        self.constants: dict[tuple, tuple] = {}
 
     @property
     def self_check(self) -> SelfCheck:

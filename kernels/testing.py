@@ -16,7 +16,7 @@ from kvquant.codec import Codec, codec_for
 
 from .quantize_pack import quantize_pack_into_ref, write_fields
 
-__all__ = ["Region", "PagedLayer", "make_paged_layer"]
+__all__ = ["Region", "PagedLayer", "make_paged_layer", "demo_levels", "with_demo_levels"]
 
 
 @dataclass
@@ -60,6 +60,23 @@ def _tables(b: int, n_pages: int, ids: list[int], share: bool) -> torch.Tensor:
     return t
 
 
+def demo_levels(bits: int) -> torch.Tensor:
+    """(2^bits,) ascending float32 levels in [-1, 1], denser near 0 (as fitted codebooks are), uneven on
+    purpose (a wrong code reads a wrong value): stand-in codebooks for tests and reports."""
+    u = torch.linspace(-1, 1, 1 << bits, dtype=torch.float64)
+    return (u * (0.35 + 0.65 * u.abs()) + 0.04 * (1 - u * u)).float()  # the bump breaks the symmetry
+
+
+def with_demo_levels(codec: Codec) -> Codec:
+    """codec, with `demo_levels` given to every codebook inside it (wrappers included) that has none."""
+    c = codec
+    while c is not None:
+        if getattr(c, "levels", 0) is None and hasattr(c, "set_levels"):
+            c.set_levels(demo_levels(c.spec.bits))
+        c = getattr(c, "inner", None)
+    return codec
+
+
 def _garbage_pool(shape, dtype, g: torch.Generator) -> torch.Tensor:
     if dtype == torch.uint8:
         return torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
@@ -74,10 +91,11 @@ def make_paged_layer(
     spare: int = 3,
 ) -> PagedLayer:
     """A random paged layer. body must be a multiple of both codecs' token groups. k, v: scheme texts,
-    or codecs already built (the self-check's probes pass a variant's own; dtype is then the FP pools')."""
+    or codecs already built (the self-check's probes pass a variant's own; dtype is then the FP pools').
+    A codebook spec given as text gets `demo_levels`."""
     g = torch.Generator().manual_seed(seed)
-    kc = k if isinstance(k, Codec) else codec_for(k, h_kv, d, dtype)
-    vc = v if isinstance(v, Codec) else codec_for(v, h_kv, d, dtype)
+    kc = k if isinstance(k, Codec) else with_demo_levels(codec_for(k, h_kv, d, dtype))
+    vc = v if isinstance(v, Codec) else with_demo_levels(codec_for(v, h_kv, d, dtype))
     bs = block_size
     cdiv = lambda a, n: -(-a // n)
     n_sink, n_body, n_rec = cdiv(sink, bs), cdiv(body, bs), cdiv(recent_offset + recent, bs)

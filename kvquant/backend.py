@@ -16,7 +16,8 @@ if (
 ):  # this module stays importable without torch (CLIs check a backend name before heavy imports)
     import torch
 
-__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "KernelHandle", "check_backend", "uses_kernels"]
+__all__ = ["ATTN_IMPLEMENTATION", "BACKENDS", "KernelHandle", "check_backend", "kernel_fallback",
+           "kernel_reads", "uses_kernels"]
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +37,22 @@ def uses_kernels(backend: str, device: torch.device) -> bool:
     if check_backend(backend) == "triton":
         return True
     return backend == "auto" and device.type == "cuda" and importlib.util.find_spec("triton") is not None
+
+
+def kernel_reads(codec, device: torch.device) -> bool:
+    """Whether the Triton decode kernel reads this codec's pages (per layer: each layer asks for its own K and
+    V codecs). `kvquant.kernels.layouts.decode_frame`; imports no triton."""
+    from .kernels.layouts import decode_frame
+
+    return decode_frame(codec, device) is not None
+
+
+def kernel_fallback(codec, device: torch.device) -> str | None:
+    """The line to log (once per cache) for a codec the kernels do not fully serve, naming it and what takes
+    the reference path (attention and appends, or appends only); None when the kernels serve it all."""
+    from .kernels.layouts import describe_unserved
+
+    return describe_unserved(codec, device)
 
 
 class KernelHandle:
