@@ -57,11 +57,22 @@ first token: vLLM takes k_scale / v_scale from the checkpoint and uses 1.0 when 
 appendable. This codec uses the fixed scale 1.0 (the uncalibrated engine default), so the stored bytes are
 exactly ggml's; a calibrated per-layer scale s would divide K/V by s before these blocks and multiply after.
 
+llama.cpp's attention rotation (PR #21038, merged 2026-04-01; src/llama-kv-cache.cpp and src/llama-graph.cpp):
+with a quantized cache type and head_dim % 64 == 0, llama.cpp multiplies Q and K by a Hadamard matrix of
+order n_k (the largest power of two dividing head_dim) and V by one of order 64, blockwise along head_dim,
+before K/V are written, and rotates the attention output back; LLAMA_ATTN_ROT_DISABLE=1 turns it off. The
+plain `llama.cpp:*` names do the same (`EngineCodec`: gguf's blocks of the rotated rows, rotated back on
+decode), `-norot` is the variable set, `-rot` insists on it (refused at head_dim % 64 != 0). The rotation
+is fp32 matrix arithmetic, whose summation order differs between backends: rotated rows can differ from a
+llama.cpp build's in the last bit, and then a code; the blocks of given rows are gguf's exactly.
+
 No kernel reads these formats yet (`kernel_layout` is None): attention takes the PyTorch reference path.
 """
 
 from __future__ import annotations
 
+import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -76,8 +87,12 @@ __all__ = [
     "EngineCodec",
     "IQ4_NL_VALUES",
     "MXFP4_VALUES",
+    "attn_rotate",
+    "attn_rotation_size",
     "ggml_dequantize",
     "ggml_quantize",
+    "hadamard",
+    "llama_rotation_default",
     "ue4m3_from_fp32",
     "ue4m3_to_fp32",
 ]
@@ -388,7 +403,7 @@ BLOCK_TYPES: dict[str, BlockType] = {
 
 
 def _block_type(fmt: str) -> BlockType:
-    key = fmt.rpartition(":")[2].lower()
+    key = fmt.rpartition(":")[2].lower().removesuffix("-norot").removesuffix("-rot")
     try:
         return BLOCK_TYPES[key]
     except KeyError:
@@ -419,18 +434,94 @@ def ggml_dequantize(b: torch.Tensor, fmt: str) -> torch.Tensor:
     return out.reshape(*b.shape[:-1], n // bt.type_size * bt.block)
 
 
+# ------------------------------------------------------------------------------ llama.cpp attention rotation
+
+ATTN_ROT_COMMIT = "llama.cpp PR #21038 (2026-04-01), src/llama-kv-cache.cpp and src/llama-graph.cpp"
+ATTN_ROT_MIN = 64  # llama_kv_cache: attn_rot_k/v need n_embd_head % 64 == 0; the smallest matrix is 64 x 64
+
+
+def hadamard(n: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return _hadamard_cpu(n).to(device)
+
+
+@functools.lru_cache(maxsize=16)
+def _hadamard_cpu(n: int) -> torch.Tensor:
+    """ggml_gen_hadamard (src/llama-kv-cache.cpp): the n x n orthonormal Walsh-Hadamard matrix in fp32,
+    data[0] = 1.0 / sqrtf(n) (a double quotient of the fp32 root, stored as float) copied with the Sylvester
+    signs: H[i, j] = data[0] * (-1)^popcount(i & j). Symmetric and self-inverse (H @ H == I up to
+    rounding)."""
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Hadamard matrix of order {n}: n must be a power of two")
+    root = float(torch.tensor(math.sqrt(n), dtype=torch.float32))  # sqrtf(n)
+    val = float(torch.tensor(1.0 / root, dtype=torch.float32))  # the double quotient, stored as float
+    i = torch.arange(n)
+    bits = i[:, None] & i[None, :]
+    parity = torch.zeros_like(bits)
+    while bool(bits.any()):
+        parity ^= bits & 1
+        bits = bits >> 1
+    return torch.where(parity == 1, -val, val).to(torch.float32)  # cached: callers never write to it
+
+
+def attn_rotation_size(head_dim: int, role: str | None) -> int:
+    """The order of the rotation llama.cpp applies to K (and Q) or V of this head_dim: for K the largest
+    power of two (>= 64) dividing head_dim (`build_input_k_rot`), for V always 64 (`build_input_v_rot`:
+    "using smaller rotation matrices for V seems beneficial"). role None is taken as K."""
+    if head_dim % ATTN_ROT_MIN:
+        raise SchemeError(f"llama.cpp rotates only head_dim multiples of 64, not {head_dim}")
+    if role == "v":
+        return ATTN_ROT_MIN
+    n = ATTN_ROT_MIN
+    while head_dim % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+def attn_rotate(x: torch.Tensor, n: int) -> torch.Tensor:
+    """`ggml_mul_mat_aux(ctx, cur, rot)`: every run of n consecutive values along the last dimension times
+    the n x n Hadamard matrix, in fp32; its own inverse. x (..., D), D a multiple of n -> (..., D) fp32."""
+    shape = x.shape
+    y = x.float().reshape(*shape[:-1], shape[-1] // n, n) @ hadamard(n, x.device)
+    return y.reshape(shape)
+
+
+def llama_rotation_default(engine: str, head_dim: int) -> bool:
+    """Whether llama.cpp rotates a cache of this type: `attn_rot_k = !LLAMA_ATTN_ROT_DISABLE &&
+    ggml_is_quantized(type_k) && n_embd_head_k % 64 == 0` (the same for V). `-norot` is the environment
+    variable set, `-rot` the rotation asked for (refused when head_dim % 64 != 0); mxfp4 / nvfp4 are not
+    llama.cpp cache names here and are never rotated."""
+    if not engine.startswith("llama.cpp:") or engine.endswith("-norot"):
+        return False
+    return engine.endswith("-rot") or head_dim % ATTN_ROT_MIN == 0
+
+
 class EngineCodec(Codec):
     """An engine's block format (`llama.cpp:q4_0`, ..., `mxfp4`, `nvfp4`): each (token, head) vector stored
     as its GGUF block bytes in one uint8 field `blocks`; see the module docstring for the formats and the
-    source."""
+    source.
+
+    llama.cpp's names rotate as llama.cpp does by default (since PR #21038, April 2026): when head_dim is a
+    multiple of 64, K (with Q) and V are multiplied blockwise by a Hadamard matrix (`attn_rotate`, order
+    `attn_rotation_size`) before they are quantized, and attention runs in the rotated frame; the output is
+    rotated back. Here decode rotates back each decoded row instead ((H q) . k' = q . (H k') and
+    sum p (H v') = H sum p v', H symmetric and self-inverse): the same attention up to fp32 rounding, with
+    the stored bytes exactly gguf's blocks of the rotated rows. `-norot` (LLAMA_ATTN_ROT_DISABLE=1) stores
+    gguf's blocks of the rows themselves. The role (K or V, from `bind`) sets the order for head_dim >= 128;
+    an unbound codec (fake_quantize) takes K's."""
 
     def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
         super().__init__(
             spec, heads, head_dim, dtype
-        )  # spec.check_head_dim refuses D not a multiple of the block
+        )  # spec.check_head_dim refuses D not a multiple of the block (and -rot below 64)
         if spec.engine not in ENGINE_FORMATS:
             raise SchemeError(f"{spec} is not an engine format; known: {', '.join(ENGINE_FORMATS)}")
         self.block_type = _block_type(spec.engine)
+        self.rotated = llama_rotation_default(spec.engine, head_dim)
+        self.rotation = attn_rotation_size(head_dim, None) if self.rotated else None
+
+    def bind(self, *, layer: int | None, role: str | None, calib, spec: QuantSpec) -> None:
+        if self.rotated:
+            self.rotation = attn_rotation_size(self.head_dim, role)
 
     def fields(self) -> dict[str, Field]:
         bt = self.block_type
@@ -438,7 +529,16 @@ class EngineCodec(Codec):
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         # (B, H, T, D) in the K/V dtype, then fp32 as llama.cpp copies F32 rows into the cache
-        return {"blocks": ggml_quantize(x.to(self.dtype), self.spec.engine).contiguous()}
+        x = x.to(self.dtype)
+        if self.rotation is not None:
+            x = attn_rotate(x, self.rotation)
+        return {"blocks": ggml_quantize(x, self.spec.engine).contiguous()}
 
     def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-        return ggml_dequantize(fields["blocks"], self.spec.engine).to(dtype or self.dtype)  # (B, H, T, D)
+        y = ggml_dequantize(fields["blocks"], self.spec.engine)  # (B, H, T, D) fp32
+        if self.rotation is not None:
+            y = attn_rotate(y, self.rotation)
+        return y.to(dtype or self.dtype)
+
+    def batches_with(self, other: Codec) -> bool:
+        return super().batches_with(other) and getattr(other, "rotation", None) == self.rotation
