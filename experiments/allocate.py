@@ -15,6 +15,7 @@ On a CPU shared with other jobs, run with OMP_NUM_THREADS=1: torch's threads the
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -51,6 +52,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--group", type=int, default=1, help="consecutive layers measured and chosen together (default 1)"
     )
     p.add_argument("--out", default="runs/allocation", help="folder for sensitivity.json and allocation.json")
+    p.add_argument(
+        "--around",
+        default=None,
+        help="a uniform recipe at the budget: joint sensitivities at that operating point (every other layer "
+        "quantized with it while one group switches); its specs join the candidates",
+    )
+    p.add_argument(
+        "--write-calib",
+        action="store_true",
+        help="store the allocation in --calib: budget=B,calib=FILE then resolves to it in every tool",
+    )
     return p
 
 
@@ -78,6 +90,15 @@ def main(argv: list[str] | None = None) -> int:
             f"fp16,sink={args.sink},window={args.window}" + (f",calib={args.calib}" if args.calib else "")
         )
         compare = [parse_scheme(s) for s in args.compare]
+        around = None
+        if args.around:
+            with_calib = args.calib and "calib=" not in args.around
+            text = args.around + (f",calib={args.calib}" if with_calib else "")
+            around = dataclasses.replace(parse_scheme(text), sink=args.sink, window=args.window)
+            if around.layers:
+                raise SchemeError("--around is a uniform recipe (one k= and v=), not a per-layer scheme")
+        if args.write_calib and not args.calib:
+            raise SchemeError("--write-calib stores the allocation in the calibration file; give --calib")
     except SchemeError as e:
         print(f"allocate.py: {e}", file=sys.stderr)
         return 2
@@ -88,12 +109,15 @@ def main(argv: list[str] | None = None) -> int:
             kc = list(A.UNIFORM_KEY_CANDIDATES if args.uniform_only else A.DEFAULT_KEY_CANDIDATES)
         if vc is None:
             vc = list(A.UNIFORM_VALUE_CANDIDATES if args.uniform_only else A.DEFAULT_VALUE_CANDIDATES)
+        if around is not None:  # the operating point is always a choice
+            kc += [str(around.key)] if str(around.key) not in map(str, map(parse_spec, kc)) else []
+            vc += [str(around.value)] if str(around.value) not in map(str, map(parse_spec, vc)) else []
         specs = [parse_spec(s) for s in kc + vc]
         if any(s.prerope for s in map(parse_spec, vc)):
             raise SchemeError("-prerope applies to keys only; remove it from --value-candidates")
-        if any(s.codebook for s in specs) and not args.calib:
+        if any(s.codebook or s.rotate_calib for s in specs) and not args.calib:
             raise SchemeError(
-                "nuqN candidates need --calib FILE (experiments/calibrate.py), or pass --uniform-only"
+                "nuqN and -crot candidates need --calib FILE (experiments/calibrate.py), or --uniform-only"
             )
     except SchemeError as e:
         print(f"allocate.py: {e}", file=sys.stderr)
@@ -113,6 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         group=args.group,
         out=Path(args.out),
+        around=around,
+        write_calib=args.write_calib,
     )
     print(json.dumps({k: v for k, v in result.items() if k != "choice"}, indent=1))
     print(result["scheme"])

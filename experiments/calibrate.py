@@ -1,9 +1,12 @@
-"""Fit the codebooks of non-uniform (nuqN) specs on calibration text and write them (safetensors + JSON).
+"""Fit the codebooks of non-uniform (nuqN) specs and the rotations of -crot specs (`kvquant.codec_calibrot`:
+learned to preserve the attention output) on calibration text and write them (safetensors + JSON).
 
     python experiments/calibrate.py --scheme 'k=nuq3-channel-g64-prerope,v=nuq3-g64' \\
         --out calib/smollm2-nuq3.safetensors
     python experiments/calibrate.py --model PATH --scheme nuq4-g64 --scheme nuq2-g32 \\
         --out calib/mine.safetensors
+    python experiments/calibrate.py --scheme int2-g64-crot --docs 3 --length 1024 \\
+        --out calib/smollm2-crot.safetensors     # 2 documents fit the rotations, the 3rd is held out
 
 Then use the scheme with `,calib=calib/smollm2-nuq3.safetensors` (printed at the end). Calibration text:
 Wikipedia articles of at least --length tokens and fewer than 8,192 (the 8k evaluation's articles are
@@ -58,9 +61,9 @@ def check_args(args: argparse.Namespace) -> list[str]:
         scheme = parse_scheme(",".join(items + [f"calib={args.out}"]))
         if not scheme.needs_calibration:
             raise RunError(
-                f"scheme {text!r} has no codebook (nuqN) spec, so there is nothing to calibrate; "
-                "use nuq4/nuq3/nuq2 specs, e.g. --scheme nuq4-g64 or "
-                "--scheme 'k=nuq3-channel-g64-prerope,v=nuq3-g64'"
+                f"scheme {text!r} has no codebook (nuqN) spec and no calibrated rotation (-crot), so there "
+                "is nothing to calibrate; use nuq4/nuq3/nuq2 or -crot specs, e.g. --scheme nuq4-g64, "
+                "--scheme 'k=nuq3-channel-g64-prerope,v=nuq3-g64' or --scheme int2-g64-crot"
             )
         schemes.append(str(scheme))
     try:

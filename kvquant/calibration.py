@@ -1,9 +1,12 @@
-"""Calibration files: the codebooks of `nuqN` specs, fitted offline on calibration text. No pickle anywhere.
+"""Calibration files: the codebooks of `nuqN` specs and the rotations of `-crot` specs, fitted offline on
+calibration text; allocations (`budget=B`) resolved through them. No pickle anywhere.
 
 A calibration is two files side by side:
 
     NAME.safetensors   tensors "codebook/<layer>/<k|v>/<spec>": (2^bits,) float32 levels, ascending, in about
-                       [-1, 1]: the values a block normalized by its scale (and centre) is rounded to
+                       [-1, 1]: the values a block normalized by its scale (and centre) is rounded to;
+                       "rotation/<layer>/<k|v>/<spec>": (D, D) float32 orthogonal M of a -crot spec
+                       (`kvquant.codec_calibrot`: learned to preserve the attention output)
     NAME.json          metadata: model, its shape (layers, KV heads, head_dim), the schemes and specs fitted,
                        corpus, document titles, tokens, seed, samples per table, kvquant version, time
 
@@ -29,10 +32,12 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from .scheme import CALIBRATE_COMMAND, QuantSpec, Scheme, SchemeError, parse_spec
+
+if TYPE_CHECKING:  # torch is imported where it is used: `budget=B` parses through this module without it
+    import torch
 
 __all__ = [
     "Calibration",
@@ -57,25 +62,33 @@ class CalibrationError(SchemeError):
 
 @dataclass(frozen=True)
 class Entry:
-    """One table: layer, role ("k" or "v") and the spec it serves."""
+    """One table: layer, role ("k" or "v"), the spec it serves and its kind: "codebook" ((2^bits,) levels of
+    a nuqN spec) or "rotation" ((D, D) orthogonal matrix of a -crot spec, `kvquant.codec_calibrot`)."""
 
     layer: int
     role: str
     spec: QuantSpec
+    kind: str = "codebook"
 
     @property
     def name(self) -> str:
-        return f"codebook/{self.layer}/{self.role}/{self.spec}"
+        return f"{self.kind}/{self.layer}/{self.role}/{self.spec}"
+
+
+def spec_tables(layer: int, role: str, spec: QuantSpec) -> list[Entry]:
+    """The tables one spec needs at one layer and role: a rotation (-crot) and/or a codebook (nuqN)."""
+    out = [Entry(layer, role, spec, "rotation")] if spec.rotate_calib else []
+    return out + ([Entry(layer, role, spec)] if spec.codebook else [])
 
 
 def entries_for(scheme: Scheme, num_layers: int) -> list[Entry]:
-    """The tables a scheme needs on a model of num_layers layers (its codebook specs, per layer and K/V)."""
+    """The tables a scheme needs on a model of num_layers layers (its codebook and calibrated-rotation
+    specs, per layer and K/V)."""
     out = []
     for i in range(num_layers):
         s = scheme.for_layer(i)
         for role, spec in (("k", s.key), ("v", s.value)):
-            if spec.codebook:
-                out.append(Entry(i, role, spec))
+            out += spec_tables(i, role, spec)
     return out
 
 
@@ -98,10 +111,18 @@ class Calibration:
 
     def codebook(self, layer: int, role: str, spec: QuantSpec) -> torch.Tensor:
         """(2^bits,) float32 levels of `spec` for `layer`'s K ("k") or V ("v")."""
-        name = Entry(layer, role, spec).name
+        return self.table(Entry(layer, role, spec))
+
+    def rotation(self, layer: int, role: str, spec: QuantSpec) -> torch.Tensor:
+        """(D, D) float32 orthogonal matrix of the -crot `spec` for `layer`'s K ("k") or V ("v")."""
+        return self.table(Entry(layer, role, spec, "rotation"))
+
+    def table(self, entry: Entry) -> torch.Tensor:
+        name, spec, layer, role = entry.name, entry.spec, entry.layer, entry.role
         if name not in self.tables:
             raise CalibrationError(
-                f"calibration file {self.path} has no codebook for {spec} at layer {layer} {role.upper()} "
+                f"calibration file {self.path} has no {entry.kind} for {spec} at layer {layer} "
+                f"{role.upper()} "
                 f"(it was fitted for {', '.join(self.meta.get('specs', [])) or 'other specs'}); run `"
                 + CALIBRATE_COMMAND.format(scheme=spec)
                 + "` for this scheme"
@@ -122,7 +143,7 @@ class Calibration:
             )
         if scheme is not None:
             for e in entries_for(scheme, shape.num_layers):
-                self.codebook(e.layer, e.role, e.spec)
+                self.table(e)
 
     def __repr__(self) -> str:
         return f"Calibration({self.path}: {len(self.tables)} tables, model {self.meta.get('model')!r})"
@@ -177,6 +198,7 @@ def fit_codebook(
     small fraction of the cost (270 tables of 1M values fit in seconds rather than most of an hour on a
     shared CPU)."""
     import numpy as np
+    import torch
 
     k = 1 << bits
     x = values.detach().flatten().float()
@@ -209,7 +231,6 @@ def fit_codebook(
     return torch.tensor(levels, dtype=torch.float32)
 
 
-@torch.inference_mode()
 def collect(
     model,
     documents: Sequence[torch.Tensor],
@@ -222,6 +243,14 @@ def collect(
     """Normalized calibration values per table: {entry name: 1-D float32 sample}. documents: token ids
     (1, T) each, run one forward each with a DynamicCache; the K/V of every layer are normalized by the
     entry's codec."""
+    import torch
+
+    with torch.inference_mode():
+        return _collect(model, documents, entries, max_samples=max_samples, seed=seed, progress=progress)
+
+
+def _collect(model, documents, entries, *, max_samples: int, seed: int, progress) -> dict:
+    import torch
     from transformers import DynamicCache
 
     from .codec import codec_for
@@ -269,13 +298,44 @@ def calibrate(
     seed: int = 0,
     max_samples: int = 1_000_000,
     progress=None,
+    rotation_docs: int = 2,
+    rotation_tokens: int = 1024,
+    rotation_steps: int = 100,
+    rotation_queries: int = 128,
+    report: list | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Fit every entry's codebook on the documents: {entry name: levels}."""
+    """Fit every entry's table on the documents: {entry name: levels or rotation}.
+
+    Codebooks of specs without -crot: `collect` on every document, then `fit_codebook`. -crot specs
+    (`kvquant.codec_calibrot.fit_rotations`, rotation and codebook): the first `rotation_docs` documents cut
+    to `rotation_tokens`, `rotation_steps` Adam steps on `rotation_queries` sampled queries per document; the
+    next document (cut alike), when there is one, is held out and scored into `report`."""
     entries = list(entries)
-    values = collect(model, documents, entries, max_samples=max_samples, seed=seed, progress=progress)
-    return {
-        e.name: fit_codebook(values[e.name], e.spec.bits, seed=seed, max_samples=max_samples) for e in entries
-    }
+    plain = [e for e in entries if not e.spec.rotate_calib]
+    tables = {}
+    if plain:
+        values = collect(model, documents, plain, max_samples=max_samples, seed=seed, progress=progress)
+        tables = {
+            e.name: fit_codebook(values[e.name], e.spec.bits, seed=seed, max_samples=max_samples)
+            for e in plain
+        }
+    crot = [e for e in entries if e.spec.rotate_calib]
+    if crot:
+        from .codec_calibrot import fit_rotations
+
+        docs = [d[:, :rotation_tokens] for d in documents]
+        tables |= fit_rotations(
+            model,
+            docs[:rotation_docs],
+            crot,
+            held_out=docs[rotation_docs : rotation_docs + 1],
+            steps=rotation_steps,
+            queries=rotation_queries,
+            seed=seed,
+            max_samples=max_samples,
+            report=report,
+        )
+    return tables
 
 
 def metadata(model_name: str, shape, schemes: Sequence[str], entries: Sequence[Entry], **extra) -> dict:
@@ -296,5 +356,62 @@ def metadata(model_name: str, shape, schemes: Sequence[str], entries: Sequence[E
 
 
 def spec_entries(specs: Iterable[str | QuantSpec], role: str, num_layers: int) -> list[Entry]:
-    """Entries for codebook specs at every layer (allocation candidates)."""
-    return [Entry(i, role, s) for s in map(parse_spec, specs) if s.codebook for i in range(num_layers)]
+    """Entries for codebook and -crot specs at every layer (allocation candidates)."""
+    return [e for s in map(parse_spec, specs) for i in range(num_layers) for e in spec_tables(i, role, s)]
+
+
+# ------------------------------------------------------------------------------------------------ budget=B
+
+
+def resolve_budget(budget: float, calib: str, sink: int | None = None, window: int | None = None) -> Scheme:
+    """`budget=B,calib=FILE`: the per-layer scheme `experiments/allocate.py --write-calib` stored in FILE's
+    JSON for B average bits (with its sink and window; a sink= / window= given beside budget= must match
+    them), with calib=FILE. Reads the JSON side only (no torch)."""
+    from .scheme import parse_scheme
+
+    _, js = _paths(calib)
+    if not js.is_file():
+        raise CalibrationError(
+            f"budget={budget:g}: calibration file {js} does not exist; write it with "
+            "experiments/calibrate.py, then `python experiments/allocate.py "
+            f"--budget-bits {budget:g} --calib {calib} --write-calib`"
+        )
+    meta = json.loads(js.read_text())
+    allocations = meta.get("allocations", [])
+    for a in allocations:
+        if abs(float(a["budget_bits"]) - budget) > 1e-9:
+            continue
+        scheme = parse_scheme(f"{a['scheme']},calib={calib}")  # stored without calib=: this file is it
+        for name, want in (("sink", sink), ("window", window)):
+            if want is not None and want != getattr(scheme, name):
+                raise CalibrationError(
+                    f"budget={budget:g} in {js} was allocated with {name}={getattr(scheme, name)}, not "
+                    f"{name}={want}; drop {name}= or allocate again with --{name} {want} --write-calib"
+                )
+        return scheme
+    have = ", ".join(f"budget={float(a['budget_bits']):g}" for a in allocations) or "none"
+    raise CalibrationError(
+        f"calibration file {js} holds no allocation for budget={budget:g} (it holds {have}); run `python "
+        f"experiments/allocate.py --budget-bits {budget:g} --calib {calib} --write-calib`"
+    )
+
+
+def store_allocation(calib: str, budget: float, scheme: Scheme, **facts) -> Path:
+    """Add (or replace) the allocation for `budget` in calib's JSON: what `budget=B,calib=FILE` resolves to.
+    The scheme is stored without calib= (the file is where it lives); its tables must be in the file."""
+    _, js = _paths(calib)
+    meta = json.loads(js.read_text())
+    held = set(meta.get("tables", []))
+    missing = [e.name for e in entries_for(scheme, meta["num_layers"]) if e.name not in held]
+    if missing:
+        raise CalibrationError(
+            f"{js} lacks {len(missing)} tables the allocation needs (first: {missing[0]}); calibrate its "
+            "candidates into this file first"
+        )
+    plain = dataclasses.replace(scheme, calib=None)
+    rows = [a for a in meta.get("allocations", []) if abs(float(a["budget_bits"]) - budget) > 1e-9]
+    meta["allocations"] = sorted(
+        [*rows, {"budget_bits": budget, "scheme": str(plain), **facts}], key=lambda a: a["budget_bits"]
+    )
+    js.write_text(json.dumps(meta, indent=1) + "\n")
+    return js

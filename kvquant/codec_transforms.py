@@ -139,6 +139,13 @@ class RotationCodec(_Wrapper):
 
     option = "rotate"
 
+    def __new__(cls, spec: QuantSpec, *args, **kwargs):
+        if spec.rotate_calib:  # `-crot`: kvquant.codec_calibrot's codec (not a RotationCodec)
+            from .codec_calibrot import CalibRotationCodec
+
+            return CalibRotationCodec(spec, *args, **kwargs)
+        return super().__new__(cls)
+
     def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
         super().__init__(spec, heads, head_dim, dtype)
         self.signs = hadamard_signs(spec.rotate, head_dim)

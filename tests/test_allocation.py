@@ -4,6 +4,7 @@ model."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -117,3 +118,64 @@ def test_grouped_layers_share_a_choice_and_respect_the_budget():
                 + sens.kl[(1, "v", combo[3])],
             )
     assert predicted == pytest.approx(best, rel=1e-9)
+
+
+def test_joint_sensitivity_at_the_operating_point_on_the_tiny_model():
+    """Joint: every layer at the around recipe, one layer switched: around's own spec costs exactly 0, more
+    bits cost less KL than around (negative deltas), fewer bits more; the choice's prediction,
+    KL(around) + deltas, is near its measured KL, and at the around recipe's own bits it is no worse."""
+    model = make_tiny_model(seed=2)
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(1, 5000, (1, 48), generator=g) for _ in range(2)]
+    around = parse_scheme("k=int4-channel-g16,v=int4-g16")
+    kc, vc = ("int8", "int4-channel-g16", "int2-channel-g16"), ("int8", "int4-g16", "int2-g16")
+    sens, base_kl = A.measure_joint_sensitivity(model, docs, kc, vc, around)
+    refs = A.reference_logprobs(model, docs)
+    assert base_kl == pytest.approx(A.scheme_kl(model, docs, refs, around))
+    for layer in range(2):
+        assert sens.kl[(layer, "k", "int4-channel-g16")] == 0 and sens.kl[(layer, "v", "int4-g16")] == 0
+        assert sens.kl[(layer, "v", "int8")] < 0 < sens.kl[(layer, "v", "int2-g16")]
+    bits = memory.effective_bits(model.config, around)
+    chosen, delta = A.allocate(sens, 2, bits)
+    assert delta <= 1e-12  # around itself is feasible at its own bits, with delta 0
+    scheme = A.scheme_from_choice(chosen, 2, around)
+    assert memory.effective_bits(model.config, scheme) <= bits + 1e-9
+    measured = A.scheme_kl(model, docs, refs, scheme)
+    assert A.predicted_kl(sens, scheme, 2, joint=True) == pytest.approx(delta, abs=1e-12)
+    assert abs(measured - (base_kl + delta)) < 0.5 * base_kl
+
+
+def test_budget_item_resolves_through_the_calibration_file(tmp_path):
+    """budget=B,calib=FILE parses to the allocation stored for B (with calib=FILE), round-trips as that
+    scheme; a missing budget, a sink that differs from the allocation's and budget= beside specs are refused,
+    naming the fix."""
+    from kvquant.calibration import CalibrationError, metadata, save_calibration, store_allocation
+    from kvquant.scheme import SchemeError
+
+    path = str(tmp_path / "c.safetensors")
+    levels = {"codebook/0/k/nuq2-g32": torch.linspace(-1, 1, 4)}
+    save_calibration(path, levels, metadata("tiny", SHAPE, [], []))
+    alloc = parse_scheme("layers=0:int8/int2-g32+1-2:int4-channel-g64/int4-g64,sink=4,window=16")
+    store_allocation(path, 4.0, alloc, predicted_kl=1e-3)
+    store_allocation(path, 3.0, parse_scheme("int2-g32"))
+    s = parse_scheme(f"budget=4,calib={path}")
+    assert s == dataclasses.replace(alloc, calib=path) and parse_scheme(str(s)) == s
+    assert parse_scheme(f"budget=3.0,sink=0,calib={path}").key == parse_spec("int2-g32")
+    with pytest.raises(CalibrationError, match="holds no allocation for budget=2.5.*budget=3, budget=4"):
+        parse_scheme(f"budget=2.5,calib={path}")
+    with pytest.raises(CalibrationError, match="allocated with sink=4, not sink=0"):
+        parse_scheme(f"budget=4.0,sink=0,calib={path}")
+    with pytest.raises(SchemeError, match="add calib=FILE"):
+        parse_scheme("budget=3.0")
+    with pytest.raises(SchemeError, match="give no spec"):
+        parse_scheme(f"int4-g64,budget=3.0,calib={path}")
+    with pytest.raises(SchemeError, match="average bits"):
+        parse_scheme(f"budget=x,calib={path}")
+    crot = parse_scheme(f"layers=0:int4-g64/int2-g64-crot+1-2:int2-g64-crot,calib={path}")
+    rot = torch.eye(64)
+    save_calibration(path, {f"rotation/{i}/{r}/int2-g64-crot": rot.clone() for i in range(3) for r in "kv"},
+                     metadata("tiny", SHAPE, [], []))  # a -crot allocation: its tables are in the file
+    store_allocation(path, 2.5, crot)
+    assert parse_scheme(f"budget=2.5,calib={path}") == crot
+    with pytest.raises(CalibrationError, match="lacks 6 tables.*codebook/0/k/nuq3-g32"):
+        store_allocation(path, 2.0, parse_scheme(f"nuq3-g32,calib={path}"))
