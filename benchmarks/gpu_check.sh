@@ -10,7 +10,10 @@
 # table on the device, each variant's max error against its fp32 reference: benchmarks/kernel_report.py
 # --measure), tests (tests/kernels in parallel processes, no -x), bench (copy bandwidth and decode
 # benchmark: benchmarks/bench_decode.py), e2e (16 decode steps, Triton vs torch tokens, and the
-# recompile count: distinct Triton variants the generation compiled, in e2e.json). Per-phase logs,
+# recompile count: distinct Triton variants the generation compiled, in e2e.json), devmap (a model split
+# between cuda:0 and the CPU by a device map: tokens equal to the cuda:0 run, each layer's pages on its
+# device; torch.cuda.max_memory_allocated of int4-g64 vs the reference cache at 32k tokens:
+# benchmarks/gpu_device_map.py, devmap.json / devmap.md). Per-phase logs,
 # status.csv and status.json land in the output folder. GPU_CHECK_PHASES="env bench" runs only those;
 # GPU_CHECK_FAIL_PHASE=<name> makes that phase fail (both to test this script).
 set -u -o pipefail
@@ -161,15 +164,24 @@ sys.exit(0 if ok else 1)
 PY
 }
 
+devmap_phase() {  # a device map split between cuda:0 and the CPU; device memory of int4-g64 vs the reference
+    if [ "$DRY" = 1 ]; then
+        "$PY" benchmarks/gpu_device_map.py --dry-run --length 512 --chunk 128 --out "$OUTDIR"
+    else
+        "$PY" benchmarks/gpu_device_map.py --length 32768 --chunk 2048 --out "$OUTDIR"
+    fi
+}
+
 export PY OUTDIR DRY SCALE
-export -f env_phase report_phase tests_phase bench_phase e2e_phase
-if [ "$DRY" = 1 ]; then L_ENV=60; L_REP=240; L_TEST=400; L_BENCH=300; L_E2E=300
-else L_ENV=30; L_REP=120; L_TEST=120; L_BENCH=150; L_E2E=60; fi  # 480 s at most: one 8-minute call
+export -f env_phase report_phase tests_phase bench_phase e2e_phase devmap_phase
+if [ "$DRY" = 1 ]; then L_ENV=60; L_REP=240; L_TEST=400; L_BENCH=300; L_E2E=300; L_MAP=300
+else L_ENV=30; L_REP=120; L_TEST=120; L_BENCH=150; L_E2E=60; L_MAP=90; fi  # 570 s at most: one 10-minute call
 phase env "$L_ENV" env_phase
 phase report "$L_REP" report_phase
 phase tests "$L_TEST" tests_phase
 phase bench "$L_BENCH" bench_phase
 phase e2e "$L_E2E" e2e_phase
+phase devmap "$L_MAP" devmap_phase
 
 "$PY" - "$STATUS" "$OUTDIR/status.json" <<'PY'
 import csv, json, sys
