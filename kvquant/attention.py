@@ -119,14 +119,14 @@ def reference_attention(
             if id(f.signs) not in rotated:
                 rotated[id(f.signs)] = f.into(query.to(work))
             qs = rotated[id(f.signs)]
-        back = seg.value_frame.out_of if seg.value_frame is not None else None
+        vf = seg.value_frame if seg.value_frame is not None and seg.value_frame.signs is not None else None
         if tiled:
-            _tiles(qs, seg, masks, scale, state, back)
+            _tiles(qs, seg, masks, scale, state, vf)
         else:
             visible, mask = masks.tile(slice(0, q), seg.col, seg.key.shape[2], seg.fresh)
             if visible:
                 out, lse = _direct(qs, seg, mask, scale, work)
-                state.add(back(out) if back is not None else out, lse)
+                state.add(out, lse, frame=vf)
     return state.result().transpose(1, 2).contiguous().to(query.dtype)  # (B, q, H_q, D)
 
 
@@ -204,24 +204,40 @@ _QUERY_TILE = 256
 
 
 class _Merge:
-    """Partial attention outputs over disjoint key sets, combined by their log-sum-exp (flash-decoding)."""
+    """Partial attention outputs over disjoint key sets, combined by their log-sum-exp (flash-decoding).
+
+    Outputs of values stored rotated (R v, `KernelFrame`) are kept in a second accumulator, in R's frame,
+    rescaled with the first, and rotated back once in `result` (R^T is linear), not once per tile."""
 
     def __init__(self, b: int, hq: int, q: int, d: int, dtype: torch.dtype, device: torch.device):
         self.out = torch.zeros((b, hq, q, d), dtype=dtype, device=device)  # normalized so far
         self.lse = torch.full((b, hq, q), float("-inf"), dtype=dtype, device=device)
+        self.framed: torch.Tensor | None = None  # the part in the values' frame, or None
+        self.frame = None  # that KernelFrame
 
-    def add(self, out: torch.Tensor, lse: torch.Tensor, rows: slice = slice(None)) -> None:
-        """Fold out (B, H_q, r, D) with lse (B, H_q, r) (-inf: no key attended) into query rows `rows`."""
-        acc, old = self.out[:, :, rows], self.lse[:, :, rows]
+    def add(self, out: torch.Tensor, lse: torch.Tensor, rows: slice = slice(None), frame=None) -> None:
+        """Fold out (B, H_q, r, D) with lse (B, H_q, r) (-inf: no key attended) into query rows `rows`;
+        `frame` (a KernelFrame) when out is in the frame of rotated values."""
+        old = self.lse[:, :, rows]
         new = torch.logaddexp(old, lse)
         safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
         w_old = torch.exp(old - safe).unsqueeze(-1)
         w_new = torch.exp(lse - safe).unsqueeze(-1)
-        acc.mul_(w_old).add_(out.to(acc.dtype) * w_new)
+        if frame is not None and self.framed is None:
+            self.framed, self.frame = torch.zeros_like(self.out), frame
+        if frame is not None and frame is not self.frame:
+            raise ValueError("one attention call merges outputs of one value frame")
+        self.out[:, :, rows].mul_(w_old)
+        if self.framed is not None:
+            self.framed[:, :, rows].mul_(w_old)
+        target = self.out if frame is None else self.framed
+        target[:, :, rows].add_(out.to(target.dtype) * w_new)
         old.copy_(new)
 
     def result(self) -> torch.Tensor:
-        return self.out  # rows that attended nothing kept their zeros
+        if self.framed is not None:  # rows that attended nothing kept their zeros
+            return self.out + self.frame.out_of(self.framed)
+        return self.out
 
 
 def _direct(
@@ -249,7 +265,7 @@ def _direct(
 
 
 def _tiles(
-    query: torch.Tensor, seg: _Segment, masks: _Masks, scale: float, state: _Merge, back=None
+    query: torch.Tensor, seg: _Segment, masks: _Masks, scale: float, state: _Merge, frame=None
 ) -> None:
     """One segment for a chunk of queries, through torch's fused CPU attention one query tile at a time;
     tiles the mask hides entirely are skipped, tiles it leaves whole run unmasked."""
@@ -275,7 +291,7 @@ def _tiles(
             out, lse = _FLASH_CPU(query[:, :, rows], *kv, 0.0, False, attn_mask=float_mask, scale=scale)
             if empty_rows is not None:
                 lse = lse.masked_fill(empty_rows, float("-inf"))
-            state.add(back(out) if back is not None else out, lse, rows)
+            state.add(out, lse, rows, frame=frame)
 
 
 _SPLIT_COLUMNS = 64  # a fully visible run of at least this many leading key columns runs without a mask

@@ -11,6 +11,9 @@ A scheme string is a comma-separated list of items:
                           (R is A-B or A; the ranges tile layers 0..N-1; K/V gives K and V apart)
     calib=FILE            calibration file (codebooks) of     calib=calib/smollm2-nuq.safetensors
                           `experiments/calibrate.py`
+    budget=B              the per-layer allocation at B       budget=3.0,calib=FILE
+                          average bits stored in calib=FILE by `experiments/allocate.py --write-calib`
+                          (resolved on parsing into its layers= scheme)
 
 Each item at most once, no empty items (a trailing or doubled comma is refused). Unquantized K/V is `fp16`
 whatever the model's dtype (`bf16`, `fp32`, `none` are refused, not read as fp16). Sizes are bounded: seeds
@@ -36,6 +39,8 @@ then the research transforms (`kvquant.codec_transforms`), after all of the abov
     -center[N]    subtract a per-(head, channel) offset, the mean of each N tokens (default 64), stored in
                   the K/V dtype (16/N bits per value at FP16): keys with large per-channel offsets
     -rot[S]       orthonormal Walsh-Hadamard rotation over D with random signs from seed S (default 0)
+    -crot         (instead of -rot) a calibrated orthogonal D x D rotation per layer and K/V, learned to
+                  preserve the attention output (`kvquant.codec_calibrot`); needs calib=
     -outP         keep the top P% magnitudes of each (token, head) vector exact (FP16 value + index) and
                   quantize the rest over the tighter range (0 < P <= 25: -out1, -out0.5)
     -prerope      (keys only, last) stored before the rotary embedding; RoPE is re-applied on read
@@ -47,7 +52,13 @@ Engine formats, stored bit for bit as the engine lays them out (`kvquant.codec_e
 `llama.cpp:iq4_nl` (llama.cpp's -ctk / -ctv cache types; `llama.cpp:k=q8_0,v=q4_0` for -ctk q8_0 -ctv q4_0),
 `mxfp4`, `nvfp4` (ggml's FP4 blocks); vLLM's `--kv-cache-dtype` values (`kvquant.codec_engine_vllm`):
 `vllm:fp8` (= `vllm:fp8_e4m3`), `vllm:fp8_e5m2` (per-tensor scale 1.0, saturating),
-`vllm:int8_per_token_head`, `vllm:fp8_per_token_head` (one fp32 scale per token and head).
+`vllm:int8_per_token_head`, `vllm:fp8_per_token_head` (one fp32 scale per token and head), and vLLM's
+TurboQuant presets `vllm:turboquant_k8v4`, `vllm:turboquant_4bit_nc`, `vllm:turboquant_k3v4_nc`,
+`vllm:turboquant_3bit_nc` (a whole scheme item or a layers= range spec: K and V are stored differently, as
+the halves `vllm:turboquant_4bit_nc.k` / `.v`; vLLM's default boundary layers are the layers= form,
+`kvquant.codec_engine_vllm.vllm_cache_scheme`). llama.cpp's names rotate K/V with a Hadamard matrix when
+head_dim % 64 == 0, as llama.cpp does by default; `llama.cpp:q4_0-norot` is LLAMA_ATTN_ROT_DISABLE=1,
+`llama.cpp:q4_0-rot` requires the rotation.
 
 TurboQuant (Zandieh et al., ICLR 2026; `kvquant.codec_turbo`) is its own family, with its own options in this
 order (only -prerope follows them):
@@ -131,19 +142,34 @@ ENGINE_FORMATS: dict[str, tuple[int, int]] = {
     "vllm:fp8_e5m2": (8, 1),
     "vllm:int8_per_token_head": (8, 1),
     "vllm:fp8_per_token_head": (8, 1),
+    # vLLM's TurboQuant presets, one spec per half (`kvquant.codec_engine_vllm.TurboQuantCodec`): the scheme
+    # item `vllm:turboquant_4bit_nc` expands to k=vllm:turboquant_4bit_nc.k,v=vllm:turboquant_4bit_nc.v
+    "vllm:turboquant_k8v4.k": (8, 1),
+    "vllm:turboquant_k8v4.v": (4, 2),
+    "vllm:turboquant_4bit_nc.k": (4, 2),
+    "vllm:turboquant_4bit_nc.v": (4, 2),
+    "vllm:turboquant_k3v4_nc.k": (3, 8),
+    "vllm:turboquant_k3v4_nc.v": (4, 2),
+    "vllm:turboquant_3bit_nc.k": (3, 8),
+    "vllm:turboquant_3bit_nc.v": (3, 8),
+    # llama.cpp's attention rotation (`kvquant.codec_engine`): the plain names rotate when head_dim % 64 == 0
+    # (llama.cpp's default since April 2026), -norot never (LLAMA_ATTN_ROT_DISABLE=1), -rot always (refused
+    # when head_dim is not a multiple of 64)
+    **{
+        f"llama.cpp:{t}-{r}": (b, 64 if r == "rot" else 32)
+        for t, b in (("q8_0", 8), ("q4_0", 4), ("q4_1", 4), ("q5_0", 5), ("q5_1", 5), ("iq4_nl", 4))
+        for r in ("norot", "rot")
+    },
 }
+TURBOQUANT_PRESET_NAMES: tuple[str, ...] = (
+    "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"
+)
 ENGINE_ALIASES: dict[str, str] = {"vllm:fp8": "vllm:fp8_e4m3"}  # vLLM's `fp8` is E4M3 on CUDA
 # engine names kvquant knows but does not reproduce, with the reason (refused at parse time, listed as skipped
 # by experiments/recommend.py)
 ENGINE_REFUSED: dict[str, str] = {
     "vllm:int4_per_token_head": "its codebook levels and key rotation changed between vLLM versions and are "
     "not readable offline, so kvquant cannot reproduce them bit for bit",
-    **{
-        f"vllm:{p}": "vLLM's TurboQuant presets (their bit split, boundary layers and kernels' layout) are "
-        "not reproduced bit for bit yet; the paper's method is kvquant's own `turboB` family (turbo3.5, "
-        "turbo2.5, ...)"
-        for p in ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
-    },
     "vllm:nvfp4": "vLLM's NVFP4 follows FlashInfer's arithmetic, not reproduced here; kvquant's `nvfp4` is "
     "ggml's block of the same 4.5 bits (per-tensor scale 1.0)",
 }
@@ -297,6 +323,8 @@ class QuantSpec:
     fp8: "e4m3" or "e5m2": FP8 codes (bits 8, absmax-scaled, so symmetric) instead of integers.
     center: tokens per stored per-(head, channel) offset subtracted before quantizing (`-centerN`).
     rotate: seed of the random signs of the Walsh-Hadamard rotation applied before quantizing (`-rotS`).
+    rotate_calib: `-crot`: the rotation is a calibrated orthogonal matrix per layer and K/V from the
+        calibration file (`kvquant.codec_calibrot`), not the seeded Hadamard; rotate is then 0.
     outliers: percent of each (token, head) vector's largest magnitudes kept exact (`-outP`).
     unit_scale: fp8 only (`-tensor`): one fixed unit scale for everything, nothing stored (granularity
         unused).
@@ -321,6 +349,7 @@ class QuantSpec:
     unit_scale: bool = False
     engine: str | None = None
     turbo: TurboSpec | None = None
+    rotate_calib: bool = False
 
     def __post_init__(self) -> None:
         if self.engine is not None:
@@ -450,6 +479,11 @@ class QuantSpec:
                 "once its tokens have all arrived, beyond every model's positions); the default is -center "
                 f"({DEFAULT_CENTER} tokens)"
             )
+        if self.rotate_calib and (self.rotate != 0 or self.bits == 16):
+            raise SchemeError(
+                "-crot (a calibrated rotation) replaces -rot and needs a quantized spec: "
+                "QuantSpec(bits, ..., rotate=0, rotate_calib=True), e.g. int2-g64-crot"
+            )
         if self.rotate is not None and self.rotate > MAX_SEED:
             raise SchemeError(
                 f"-rot{self.rotate}: the seed must lie in 0..{MAX_SEED} (2**31 - 1, what every random "
@@ -494,6 +528,29 @@ class QuantSpec:
             return
         if self.engine is not None:
             block = ENGINE_FORMATS[self.engine][1]
+            if self.engine.startswith("vllm:turboquant_"):
+                if self.engine.endswith(".k") and self.bits < 8 and head_dim & (head_dim - 1):
+                    raise SchemeError(
+                        f"{self.engine} rotates keys with a Sylvester Hadamard matrix (vLLM's "
+                        f"_build_hadamard): head_dim {head_dim} is not a power of two"
+                    )
+                if self.engine.startswith("vllm:turboquant_k8v4") and head_dim > 256:
+                    raise SchemeError(
+                        "turboquant_k8v4 requires FlashAttention-compatible head_size <= 256 (vLLM's "
+                        f"TurboQuantAttentionBackend.supports_combination): head_dim {head_dim}"
+                    )
+                if head_dim % block:
+                    raise SchemeError(
+                        f"{self.engine} packs {block} codes at a time along head_dim (vLLM's TurboQuant "
+                        f"store): head_dim {head_dim} is not a multiple of {block}"
+                    )
+                return
+            if self.engine.endswith("-rot") and head_dim % 64:
+                raise SchemeError(
+                    f"{self.engine}: llama.cpp rotates Q/K/V only when head_dim is a multiple of 64 "
+                    f"(llama-kv-cache.cpp: n_embd_head_k % 64 == 0); head_dim {head_dim} is not (the plain "
+                    f"{self.engine[:-4]} keeps llama.cpp's default, no rotation at this head_dim)"
+                )
             if head_dim % block:
                 raise SchemeError(
                     f"{self.engine} stores blocks of {block} values along head_dim (ggml asserts "
@@ -626,7 +683,7 @@ class Scheme:
 
     @property
     def needs_calibration(self) -> bool:
-        return any(s.codebook for s in self.specs())
+        return any(s.codebook or s.rotate_calib for s in self.specs())
 
     @property
     def prerope(self) -> bool:
@@ -745,6 +802,11 @@ EXAMPLES: dict[str, str] = {
     "vllm:int8_per_token_head": "vLLM int8_per_token_head: int8 (truncated) + fp32 scale per token and head",
     "vllm:fp8_per_token_head": "vLLM fp8_per_token_head: E4M3 + one fp32 scale per token and head",
     "layers=0:fp16+1-28:vllm:fp8+29:fp16": "vLLM fp8 with --kv-cache-dtype-skip-layers 0,29 (30 layers)",
+    "llama.cpp:q4_0-norot": "llama.cpp q4_0 without its Hadamard rotation of K/V (LLAMA_ATTN_ROT_DISABLE=1)",
+    "vllm:turboquant_4bit_nc": "vLLM TurboQuant: K Hadamard + 4-bit Lloyd-Max + norm (nc), V 4-bit min/max",
+    "vllm:turboquant_k8v4": "vLLM TurboQuant k8v4: FP8 E4M3 keys (no scale), 4-bit min/max values",
+    "layers=0-1:fp16+2-27:vllm:turboquant_3bit_nc+28-29:fp16": "vLLM turboquant_3bit_nc as served: "
+    "two boundary layers at each end unquantized (30 layers)",
     "turbo3": "TurboQuant: fp16 norm + dense random rotation + 3-bit Lloyd-Max levels per coordinate",
     "turbo3.5": "TurboQuant 3.5: half the channels (outliers, per 16 tokens) at 4 bits, half at 3",
     "turbo2.5": "TurboQuant 2.5: half the channels at 3 bits, half at 2 (turbo2.25: a quarter at 3)",
@@ -774,7 +836,7 @@ def _option_kind(opt: str) -> str | None:
         return "granularity"
     if re.fullmatch(r"center\d*", opt):
         return "center"
-    if re.fullmatch(r"rot\d*", opt):
+    if re.fullmatch(r"rot\d*", opt) or opt == "crot":
         return "rotation"
     if re.fullmatch(r"out[0-9.]*", opt):
         return "outliers"
@@ -800,6 +862,11 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
         raise _spec_error(text, "-prerope comes last, once")
     if text.startswith("vllm:"):
         text = ENGINE_ALIASES.get(text, text)
+        if text.partition(":")[2] in TURBOQUANT_PRESET_NAMES:
+            raise _spec_error(
+                text, f"{text} stores keys and values differently: give it as the whole scheme ({text}, or "
+                f"layers=A-B:{text}), or its halves k={text}.k,v={text}.v"
+            )
         if text in ENGINE_REFUSED:
             raise _spec_error(text, f"{text} is not available: {ENGINE_REFUSED[text]}")
         if text not in ENGINE_FORMATS:
@@ -849,7 +916,7 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
     opts = [o for o in m["opts"].split("-") if o]
     granularity, group_size, symmetric, scale_dtype = Granularity.TOKEN, None, None, None
     center = rotate = outliers = None
-    unit_scale = False
+    unit_scale = rotate_calib = False
     seen: dict[str, str] = {}  # option kind -> the option given, to refuse a second one of a kind
     research: list[str] = []  # the research transforms given so far (their order is fixed)
     i = 0
@@ -880,7 +947,8 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
         if kind == "center":
             center = int(opt[6:]) if opt[6:] else DEFAULT_CENTER
         elif kind == "rotation":
-            rotate = int(opt[3:] or 0)
+            rotate_calib = opt == "crot"  # the calibrated rotation (kvquant.codec_calibrot)
+            rotate = 0 if rotate_calib else int(opt[3:] or 0)
         elif kind == "outliers":
             if not re.fullmatch(r"out\d+(\.\d+)?", opt):
                 raise _spec_error(text, f"-{opt}: -out needs a percentage, as in -out1 or -out0.5")
@@ -913,6 +981,8 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
     if outliers is not None and not 0 < outliers <= MAX_OUTLIER_PERCENT:
         raise _spec_error(text, f"-out{outliers:g} must keep a percentage in (0, {MAX_OUTLIER_PERCENT:g}]")
     if bits == 16:
+        if rotate_calib:
+            raise _spec_error(text, "fp16 takes no -crot (a calibrated rotation only helps a quantizer)")
         return QuantSpec(16, rotate=rotate)
     return QuantSpec(
         bits,
@@ -926,6 +996,7 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
         rotate=rotate,
         outliers=outliers,
         unit_scale=unit_scale,
+        rotate_calib=rotate_calib,
     )
 
 
@@ -959,14 +1030,27 @@ def _format_research(spec: QuantSpec) -> list[str]:
     parts = []
     if spec.center is not None:
         parts.append("center" if spec.center == DEFAULT_CENTER else f"center{spec.center}")
-    if spec.rotate is not None:
+    if spec.rotate_calib:
+        parts.append("crot")
+    elif spec.rotate is not None:
         parts.append("rot" if spec.rotate == 0 else f"rot{spec.rotate}")
     if spec.outliers is not None:
         parts.append(f"out{spec.outliers:g}")
     return parts
 
 
+def _tq_preset_of(key: QuantSpec, value: QuantSpec) -> str | None:
+    """`vllm:turboquant_4bit_nc` when key and value are that preset's two halves (and nothing else)."""
+    if key.engine is None or value.engine is None or key.prerope or value.prerope:
+        return None
+    name = key.engine.removesuffix(".k")
+    ok = key.engine.endswith(".k") and value.engine == name + ".v"
+    return name if ok and name.partition(":")[2] in TURBOQUANT_PRESET_NAMES else None
+
+
 def _format_pair(key: QuantSpec, value: QuantSpec) -> str:
+    if _tq_preset_of(key, value):
+        return _tq_preset_of(key, value)
     return format_spec(key) if key == value else f"{format_spec(key)}/{format_spec(value)}"
 
 
@@ -978,8 +1062,8 @@ def format_scheme(scheme: Scheme) -> str:
             for r in scheme.layers
         ]
         items = ["layers=" + "+".join(ranges)]
-    elif scheme.key == scheme.value:
-        items = [format_spec(scheme.key)]
+    elif scheme.key == scheme.value or _tq_preset_of(scheme.key, scheme.value):
+        items = [_format_pair(scheme.key, scheme.value)]
     else:
         items = [f"k={format_spec(scheme.key)}", f"v={format_spec(scheme.value)}"]
     if scheme.sink:
@@ -1039,8 +1123,12 @@ def _parse_layers(val: str) -> tuple[LayerSpecs, ...]:
 
 
 _ENGINE_PAIR = re.compile(
-    r"^\s*llama\.cpp:\s*k\s*=\s*([a-z0-9_]+)\s*,\s*v\s*=\s*([a-z0-9_]+)\s*(?=,|$)", re.IGNORECASE
+    r"^\s*llama\.cpp:\s*k\s*=\s*([a-z0-9_-]+)\s*,\s*v\s*=\s*([a-z0-9_-]+)\s*(?=,|$)", re.IGNORECASE
 )
+_TQ_NAMES = "|".join(TURBOQUANT_PRESET_NAMES)
+# vllm:turboquant_4bit_nc as a whole item -> k=...k,v=...v; as a layers= range spec -> ...k/...v
+_TQ_ITEM = re.compile(rf"(?:^|(?<=,))\s*vllm:\s*({_TQ_NAMES})\s*(?=,|$)", re.IGNORECASE)
+_TQ_RANGE = re.compile(rf"(?<=:)\s*vllm:\s*({_TQ_NAMES})\s*(?=[+;,]|$)", re.IGNORECASE)
 
 
 def parse_scheme(text: str | Scheme) -> Scheme:
@@ -1055,10 +1143,12 @@ def parse_scheme(text: str | Scheme) -> Scheme:
     if not text.strip():
         raise _scheme_error(text, "it is empty")
     text = _ENGINE_PAIR.sub(r"k=llama.cpp:\1,v=llama.cpp:\2", text)  # llama.cpp:k=q8_0,v=q4_0 (as -ctk, -ctv)
+    text = _TQ_ITEM.sub(lambda m: f"k=vllm:{m[1].lower()}.k,v=vllm:{m[1].lower()}.v", text)
+    text = _TQ_RANGE.sub(lambda m: f"vllm:{m[1].lower()}.k/vllm:{m[1].lower()}.v", text)
     raw = text.strip().lower().replace(" ", "")
     if raw in _PRESET_DEFS:
         return dataclasses.replace(parse_scheme(_PRESET_DEFS[raw][0]), name=raw)
-    both = key = value = layers = calib = None
+    both = key = value = layers = calib = budget = None
     ints: dict[str, int] = {}
     given: dict[str, str] = {}  # item name (k for key=) -> the item, to refuse a second one
     # items split on the original text too: a calib= path keeps its case and its inner spaces
@@ -1096,6 +1186,11 @@ def parse_scheme(text: str | Scheme) -> Scheme:
                 ints[name] = int(val)
             elif name == "layers":
                 layers = _parse_layers(val)
+            elif name == "budget":
+                if not re.fullmatch(r"\d{1,2}(\.\d{1,6})?", val) or not 0 < float(val) <= 16:
+                    why = f"budget={val!r} must be average bits in (0, 16], e.g. budget=3.0"
+                    raise _scheme_error(text, why)
+                budget = float(val)
             elif name == "calib":
                 calib = original.partition("=")[2].strip()
                 if not calib:
@@ -1103,10 +1198,13 @@ def parse_scheme(text: str | Scheme) -> Scheme:
                         text, "calib= needs a file path (written by experiments/calibrate.py)"
                     )
             else:
-                near = difflib.get_close_matches(name, ["k", "v", "sink", "window", "layers", "calib"], n=1)
+                near = difflib.get_close_matches(
+                    name, ["k", "v", "sink", "window", "layers", "calib", "budget"], n=1
+                )
                 hint = f"; did you mean {near[0]}=?" if near else ""
                 raise _scheme_error(
-                    text, f"unknown item {name!r} (valid: k=, v=, sink=, window=, layers=, calib=){hint}"
+                    text,
+                    f"unknown item {name!r} (valid: k=, v=, sink=, window=, layers=, calib=, budget=){hint}",
                 )
         except SchemeError as e:
             if str(e).startswith("bad scheme"):
@@ -1114,6 +1212,17 @@ def parse_scheme(text: str | Scheme) -> Scheme:
             if getattr(e, "unknown_name", False) and did_you_mean(text):
                 raise _scheme_error(text, f"{item!r} is neither a spec nor a preset") from None
             raise _scheme_error(text, str(e)) from None
+    if budget is not None:  # the allocation stored in the calibration file (kvquant.calibration)
+        if both is not None or key is not None or value is not None or layers is not None:
+            raise _scheme_error(text, "budget= stands for the specs: give no spec, k=, v= or layers= with it")
+        if calib is None:
+            raise _scheme_error(
+                text, "budget= is resolved through a calibration file: add calib=FILE (written by "
+                "experiments/allocate.py --budget-bits B --calib FILE --write-calib)"
+            )
+        from .calibration import resolve_budget  # lazy: reads the file's JSON side only
+
+        return resolve_budget(budget, calib, ints.get("sink"), ints.get("window"))
     if layers is not None:
         if both is not None or key is not None or value is not None:
             raise _scheme_error(text, "give either a spec (or k= and v=) or layers=, not both")
@@ -1133,7 +1242,7 @@ def parse_scheme(text: str | Scheme) -> Scheme:
     if scheme.needs_calibration and scheme.calib is None:
         raise _scheme_error(
             text,
-            "nuqN specs need codebooks fitted offline; run `"
+            "nuqN specs (codebooks) and -crot (calibrated rotations) are fitted offline; run `"
             + CALIBRATE_COMMAND.format(scheme=str(scheme))
             + "` and add ,calib=calib/NAME.safetensors to the scheme",
         )
