@@ -119,14 +119,14 @@ def reference_attention(
             if id(f.signs) not in rotated:
                 rotated[id(f.signs)] = f.into(query.to(work))
             qs = rotated[id(f.signs)]
-        vf = seg.value_frame if seg.value_frame is not None and seg.value_frame.signs is not None else None
+        back = seg.value_frame.out_of if seg.value_frame is not None else None
         if tiled:
-            _tiles(qs, seg, masks, scale, state, vf)
+            _tiles(qs, seg, masks, scale, state, back)
         else:
             visible, mask = masks.tile(slice(0, q), seg.col, seg.key.shape[2], seg.fresh)
             if visible:
                 out, lse = _direct(qs, seg, mask, scale, work)
-                state.add(out, lse, frame=vf)
+                state.add(back(out) if back is not None else out, lse)
     return state.result().transpose(1, 2).contiguous().to(query.dtype)  # (B, q, H_q, D)
 
 
@@ -204,40 +204,24 @@ _QUERY_TILE = 256
 
 
 class _Merge:
-    """Partial attention outputs over disjoint key sets, combined by their log-sum-exp (flash-decoding).
-
-    Outputs of values stored rotated (R v, `KernelFrame`) are kept in a second accumulator, in R's frame,
-    rescaled with the first, and rotated back once in `result` (R^T is linear), not once per tile."""
+    """Partial attention outputs over disjoint key sets, combined by their log-sum-exp (flash-decoding)."""
 
     def __init__(self, b: int, hq: int, q: int, d: int, dtype: torch.dtype, device: torch.device):
         self.out = torch.zeros((b, hq, q, d), dtype=dtype, device=device)  # normalized so far
         self.lse = torch.full((b, hq, q), float("-inf"), dtype=dtype, device=device)
-        self.framed: torch.Tensor | None = None  # the part in the values' frame, or None
-        self.frame = None  # that KernelFrame
 
-    def add(self, out: torch.Tensor, lse: torch.Tensor, rows: slice = slice(None), frame=None) -> None:
-        """Fold out (B, H_q, r, D) with lse (B, H_q, r) (-inf: no key attended) into query rows `rows`;
-        `frame` (a KernelFrame) when out is in the frame of rotated values."""
-        old = self.lse[:, :, rows]
+    def add(self, out: torch.Tensor, lse: torch.Tensor, rows: slice = slice(None)) -> None:
+        """Fold out (B, H_q, r, D) with lse (B, H_q, r) (-inf: no key attended) into query rows `rows`."""
+        acc, old = self.out[:, :, rows], self.lse[:, :, rows]
         new = torch.logaddexp(old, lse)
         safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
         w_old = torch.exp(old - safe).unsqueeze(-1)
         w_new = torch.exp(lse - safe).unsqueeze(-1)
-        if frame is not None and self.framed is None:
-            self.framed, self.frame = torch.zeros_like(self.out), frame
-        if frame is not None and frame is not self.frame:
-            raise ValueError("one attention call merges outputs of one value frame")
-        self.out[:, :, rows].mul_(w_old)
-        if self.framed is not None:
-            self.framed[:, :, rows].mul_(w_old)
-        target = self.out if frame is None else self.framed
-        target[:, :, rows].add_(out.to(target.dtype) * w_new)
+        acc.mul_(w_old).add_(out.to(acc.dtype) * w_new)
         old.copy_(new)
 
     def result(self) -> torch.Tensor:
-        if self.framed is not None:  # rows that attended nothing kept their zeros
-            return self.out + self.frame.out_of(self.framed)
-        return self.out
+        return self.out  # rows that attended nothing kept their zeros
 
 
 def _direct(
@@ -265,7 +249,7 @@ def _direct(
 
 
 def _tiles(
-    query: torch.Tensor, seg: _Segment, masks: _Masks, scale: float, state: _Merge, frame=None
+    query: torch.Tensor, seg: _Segment, masks: _Masks, scale: float, state: _Merge, back=None
 ) -> None:
     """One segment for a chunk of queries, through torch's fused CPU attention one query tile at a time;
     tiles the mask hides entirely are skipped, tiles it leaves whole run unmasked."""
@@ -278,44 +262,19 @@ def _tiles(
         visible, tile = masks.tile(rows, seg.col, seg.key.shape[2], seg.fresh)  # (B or 1, 1, r, n) or None
         if not visible:
             continue  # hidden: the causal upper triangle, or keys a query saw in another copy
-        for lo, hi, part in _spans(tile, seg.key.shape[2]):
-            float_mask, empty_rows = None, None
-            if part is not None and part.dtype == torch.bool:
-                float_mask = torch.zeros(part.shape, dtype=query.dtype, device=query.device)
-                float_mask.masked_fill_(~part, float("-inf"))
-                empty_rows = ~part.any(dim=-1)  # (B or 1, 1, r): the kernel gives them lse 0, not -inf
-            elif part is not None:
-                float_mask = part.to(query.dtype)
-                empty_rows = ~torch.isfinite(part).any(dim=-1)
-            kv = (k[:, :, lo:hi], v[:, :, lo:hi])
-            out, lse = _FLASH_CPU(query[:, :, rows], *kv, 0.0, False, attn_mask=float_mask, scale=scale)
-            if empty_rows is not None:
-                lse = lse.masked_fill(empty_rows, float("-inf"))
-            state.add(out, lse, rows, frame=frame)
-
-
-_SPLIT_COLUMNS = 64  # a fully visible run of at least this many leading key columns runs without a mask
-
-
-def _spans(tile: torch.Tensor | None, n: int) -> list[tuple[int, int, torch.Tensor | None]]:
-    """(first column, end column, mask or None) of the parts of one tile worth a kernel call each: the
-    columns no query of the tile attends to are cut off both ends, and a leading run that every query
-    attends to wholly (below a band or the diagonal) is split off to run unmasked. A float mask (the
-    model's) is used as it is."""
-    if tile is None:
-        return [(0, n, None)]
-    if tile.dtype != torch.bool:
-        return [(0, n, tile)]
-    seen = tile.any(dim=-2).any(dim=0).reshape(n)  # (n,): some query attends to the column
-    idx = torch.nonzero(seen)
-    lo, hi = int(idx[0]), int(idx[-1]) + 1
-    full = tile[..., lo:hi].all(dim=-2).all(dim=0).reshape(hi - lo)  # (hi - lo,): every query attends
-    lead = int(full.int().cumprod(0).sum())  # columns lo .. lo + lead - 1 are fully visible
-    if lead == hi - lo:
-        return [(lo, hi, None)]
-    if lead >= _SPLIT_COLUMNS:
-        return [(lo, lo + lead, None), (lo + lead, hi, tile[..., lo + lead : hi])]
-    return [(lo, hi, tile[..., lo:hi])]
+        float_mask, empty_rows = None, None
+        if tile is not None and tile.dtype == torch.bool:
+            if not bool(tile.all()):
+                float_mask = torch.zeros(tile.shape, dtype=query.dtype, device=query.device)
+                float_mask.masked_fill_(~tile, float("-inf"))
+                empty_rows = ~tile.any(dim=-1)  # (B or 1, 1, r): the kernel gives them lse 0, not -inf
+        elif tile is not None:
+            float_mask = tile.to(query.dtype)
+            empty_rows = ~torch.isfinite(tile).any(dim=-1)
+        out, lse = _FLASH_CPU(query[:, :, rows], k, v, 0.0, False, attn_mask=float_mask, scale=scale)
+        if empty_rows is not None:
+            lse = lse.masked_fill(empty_rows, float("-inf"))
+        state.add(back(out) if back is not None else out, lse, rows)
 
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, logsumexp)
@@ -418,7 +377,7 @@ def _segments(view: LayerView, masks: _Masks, work: torch.dtype, stream_tokens: 
     device = masks.device
     kf, vf = view.key_codec.read_frame(device), view.value_codec.read_frame(device)
     kc, vc = (kf.codec if kf else view.key_codec), (vf.codec if vf else view.value_codec)
-    for sub, off in split_region(view.body, view.block_size, stream_tokens):
+    for sub, off in split_region(view.body, view.block_size, stream_tokens, even=False):
         c0 = sink_n + off
         k = _decode(kc, view.key_pages, sub, work)  # in R's frame for a rotated codec: no R^T per token
         v = _decode(vc, view.value_pages, sub, work)

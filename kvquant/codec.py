@@ -201,12 +201,14 @@ class PageRead:
         return pages[name].shape[2] * field.tokens
 
 
-def split_region(region, block_size: int, tokens: int):
+def split_region(region, block_size: int, tokens: int, even: bool = True):
     """(sub-region, index of its first token in the region) over whole pages of at most about `tokens`
-    tokens, as even as whole pages allow (no one-token tail block)."""
+    tokens: as even as whole pages allow (no one-token tail block), or with even=False blocks of exactly
+    `tokens // block_size` pages and a tail (the multi-token path keeps its summation order: its blocks
+    decide how the fused kernel's sums associate, and every measured number depends on that)."""
     pages = region.table.shape[1]
     most = max(1, tokens // block_size)  # pages per block at most
-    per = -(-pages // -(-pages // most)) if pages else most
+    per = -(-pages // -(-pages // most)) if pages and even else most
     done = 0
     for j0 in range(0, pages, per):
         j1 = min(pages, j0 + per)

@@ -52,6 +52,47 @@ void check(const at::Tensor& t, at::ScalarType dt, int64_t dims, const char* nam
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
 }
 
+// The codes pool, block table and per-row statistics of one call, checked once: what both ops read.
+struct PagedRows {
+  const uint8_t* codes;
+  const int64_t* table;
+  const float* a;
+  const float* z;
+  int64_t P, H, bs, row_bytes, D, n_pages, Hf, R, G, gw, offset, te, bits;
+
+  PagedRows(const at::Tensor& codes_t, const at::Tensor& table_t, const at::Tensor& a_t, const at::Tensor& z_t,
+            int64_t offset_, int64_t length, int64_t bits_, int64_t te_) {
+    check(codes_t, at::kByte, 4, "codes");
+    check(table_t, at::kLong, 2, "table");
+    check(a_t, at::kFloat, 4, "a");
+    check(z_t, at::kFloat, 4, "z");
+    TORCH_CHECK(bits_ == 2 || bits_ == 4 || bits_ == 8, "bits must be 2, 4 or 8");
+    TORCH_CHECK(te_ >= 1 && length >= 0 && offset_ >= 0, "te must be >= 1, offset and length >= 0");
+    P = codes_t.size(0), H = codes_t.size(1), bs = codes_t.size(2), row_bytes = codes_t.size(3);
+    D = row_bytes * (8 / bits_), n_pages = table_t.size(1);
+    Hf = a_t.size(1), R = a_t.size(2), G = a_t.size(3), offset = offset_, te = te_, bits = bits_;
+    TORCH_CHECK(D % G == 0 && z_t.sizes() == a_t.sizes(), "a, z must be (B, Hf, rows, G) with G dividing D");
+    TORCH_CHECK(length == 0 || (offset + length - 1) / te < R, "a, z hold fewer rows than the region reads");
+    gw = D / G;
+    codes = codes_t.data_ptr<uint8_t>(), table = table_t.data_ptr<int64_t>();
+    a = a_t.data_ptr<float>(), z = z_t.data_ptr<float>();
+  }
+
+  // Unpacks token r of sequence b, head h into c (D floats); the statistics row it reads is (offset + r) / te.
+  void unpack(int64_t b, int64_t h, int64_t r, float* c) const {
+    const int64_t pos = offset + r, page_i = pos / bs;
+    TORCH_CHECK(page_i < n_pages, "region reads past its block table");
+    const int64_t page = table[b * n_pages + page_i];
+    TORCH_CHECK(page >= 0 && page < P, "page id ", page, " outside the pool");
+    unpack_any(static_cast<int>(bits), codes + ((page * H + h) * bs + pos % bs) * row_bytes, c, D);
+  }
+
+  int64_t stat_row(int64_t r) const { return (offset + r) / te; }
+  int64_t stat_at(int64_t b, int64_t h, int64_t row) const { return ((b * Hf + (Hf == 1 ? 0 : h)) * R + row) * G; }
+  const float* a_row(int64_t b, int64_t h, int64_t row) const { return a + stat_at(b, h, row); }
+  const float* z_row(int64_t b, int64_t h, int64_t row) const { return z + stat_at(b, h, row); }
+};
+
 }  // namespace
 
 // (B, H, M, L) scores q . x over the region's tokens.
@@ -59,30 +100,17 @@ at::Tensor affine_scores(const at::Tensor& q, const at::Tensor& codes, const at:
                          const at::Tensor& a, const at::Tensor& z, int64_t offset, int64_t length,
                          int64_t bits, int64_t te) {
   check(q, at::kFloat, 4, "q");
-  check(codes, at::kByte, 4, "codes");
-  check(table, at::kLong, 2, "table");
-  check(a, at::kFloat, 4, "a");
-  check(z, at::kFloat, 4, "z");
-  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
-  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3);
-  const int64_t bs = codes.size(2), row_bytes = codes.size(3), G = a.size(3), Hf = a.size(1);
-  TORCH_CHECK(row_bytes * (8 / bits) == D, "codes rows hold ", row_bytes, " bytes, not D * bits / 8");
-  TORCH_CHECK(D % G == 0 && z.sizes() == a.sizes(), "a, z must be (B, Hf, rows, G) with G dividing D");
-  TORCH_CHECK(te >= 1 && length >= 0 && offset >= 0, "te must be >= 1, offset and length >= 0");
-  TORCH_CHECK(length == 0 || (offset + length - 1) / te < a.size(2), "a, z hold fewer rows than the region reads");
-  const int64_t gw = D / G, R = a.size(2);  // channels per group, statistic rows
+  const PagedRows pg(codes, table, a, z, offset, length, bits, te);
+  const int64_t B = q.size(0), H = q.size(1), M = q.size(2), D = q.size(3), G = pg.G, gw = pg.gw;
+  TORCH_CHECK(D == pg.D && H == pg.H, "q is (B, ", H, ", M, ", D, "); the pool holds ", pg.H, " heads of ", pg.D);
+  TORCH_CHECK(table.size(0) == B && a.size(0) == B, "q, table, a and z must agree on the batch");
   auto out = at::empty({B, H, M, length}, q.options());
   const float* qp = q.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const int64_t* tp = table.data_ptr<int64_t>();
-  const float* ap = a.data_ptr<float>();
-  const float* zp = z.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t n_pages = table.size(1), P = codes.size(0);
   at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> c(D), qsum(M * G), qa(M * D), qz(M);
     for (int64_t bh = lo; bh < hi; ++bh) {
-      const int64_t b = bh / H, h = bh % H, hf = Hf == 1 ? 0 : h;
+      const int64_t b = bh / H, h = bh % H;
       const float* qb = qp + bh * M * D;
       for (int64_t i = 0; i < M; ++i)
         for (int64_t j = 0; j < G; ++j) {
@@ -92,16 +120,12 @@ at::Tensor affine_scores(const at::Tensor& q, const at::Tensor& codes, const at:
         }
       int64_t row = -1;  // te > 1: the statistic row qa / qz were expanded for
       for (int64_t r = 0; r < length; ++r) {
-        const int64_t pos = offset + r, page_i = pos / bs;
-        TORCH_CHECK(page_i < n_pages, "region reads past its block table");
-        const int64_t page = tp[b * n_pages + page_i];
-        TORCH_CHECK(page >= 0 && page < P, "page id ", page, " outside the pool");
-        unpack_any(static_cast<int>(bits), cp + ((page * H + h) * bs + pos % bs) * row_bytes, c.data(), D);
-        const float* ar = ap + ((b * Hf + hf) * R + pos / te) * G;
-        const float* zr = zp + ((b * Hf + hf) * R + pos / te) * G;
+        pg.unpack(b, h, r, c.data());
+        const float* ar = pg.a_row(b, h, pg.stat_row(r));
+        const float* zr = pg.z_row(b, h, pg.stat_row(r));
         if (te > 1) {  // te tokens share a row: fold A into the query once per row, q_a = q * A, q_z = q . Z
-          if (pos / te != row) {
-            row = pos / te;
+          if (pg.stat_row(r) != row) {
+            row = pg.stat_row(r);
             for (int64_t i = 0; i < M; ++i) {
               float zsum = 0.f;
               for (int64_t d = 0; d < D; ++d) {
@@ -120,7 +144,7 @@ at::Tensor affine_scores(const at::Tensor& q, const at::Tensor& codes, const at:
           }
           continue;
         }
-        for (int64_t i = 0; i < M; ++i) {
+        for (int64_t i = 0; i < M; ++i) {  // one row per token: sum_j A_j (q_j . c_j) + Z_j sum(q_j)
           const float* qi = qb + i * D;
           float total = 0.f;
           for (int64_t j = 0; j < G; ++j) {
@@ -142,37 +166,25 @@ at::Tensor affine_values(const at::Tensor& p, const at::Tensor& codes, const at:
                          const at::Tensor& a, const at::Tensor& z, int64_t offset, int64_t bits,
                          int64_t te) {
   check(p, at::kFloat, 4, "p");
-  check(codes, at::kByte, 4, "codes");
-  check(table, at::kLong, 2, "table");
-  check(a, at::kFloat, 4, "a");
-  check(z, at::kFloat, 4, "z");
-  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "bits must be 2, 4 or 8");
   const int64_t B = p.size(0), H = p.size(1), M = p.size(2), L = p.size(3);
-  const int64_t bs = codes.size(2), row_bytes = codes.size(3), D = row_bytes * (8 / bits);
-  const int64_t G = a.size(3), Hf = a.size(1);
-  TORCH_CHECK(D % G == 0 && z.sizes() == a.sizes(), "a, z must be (B, Hf, rows, G) with G dividing D");
-  TORCH_CHECK(te >= 1 && offset >= 0, "te must be >= 1 and offset >= 0");
-  TORCH_CHECK(L == 0 || (offset + L - 1) / te < a.size(2), "a, z hold fewer rows than the region reads");
-  const int64_t gw = D / G, R = a.size(2);
+  const PagedRows pg(codes, table, a, z, offset, L, bits, te);
+  const int64_t D = pg.D, G = pg.G, gw = pg.gw;
+  TORCH_CHECK(H == pg.H, "p has ", H, " heads; the pool holds ", pg.H);
+  TORCH_CHECK(table.size(0) == B && a.size(0) == B, "p, table, a and z must agree on the batch");
   auto out = at::zeros({B, H, M, D}, p.options());
   const float* pp = p.data_ptr<float>();
-  const uint8_t* cp = codes.data_ptr<uint8_t>();
-  const int64_t* tp = table.data_ptr<int64_t>();
-  const float* ap = a.data_ptr<float>();
-  const float* zp = z.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  const int64_t n_pages = table.size(1), P = codes.size(0);
   at::parallel_for(0, B * H, 1, [&](int64_t lo, int64_t hi) {
     std::vector<float> c(D), bias(M * G), acc(M * D), sw(M);
     for (int64_t bh = lo; bh < hi; ++bh) {
-      const int64_t b = bh / H, h = bh % H, hf = Hf == 1 ? 0 : h;
+      const int64_t b = bh / H, h = bh % H;
       std::fill(bias.begin(), bias.end(), 0.f);
       float* ob = op + bh * M * D;
       int64_t row = -1;  // te > 1: the statistic row acc / sw hold sums for
       auto flush = [&]() {  // out += A * sum_t p_t c_t + Z * sum_t p_t over the row's tokens
         if (row < 0) return;
-        const float* ar = ap + ((b * Hf + hf) * R + row) * G;
-        const float* zr = zp + ((b * Hf + hf) * R + row) * G;
+        const float* ar = pg.a_row(b, h, row);
+        const float* zr = pg.z_row(b, h, row);
         for (int64_t i = 0; i < M; ++i)
           for (int64_t d = 0; d < D; ++d)
             ob[i * D + d] += ar[d / gw] * acc[i * D + d] + zr[d / gw] * sw[i];
@@ -180,17 +192,11 @@ at::Tensor affine_values(const at::Tensor& p, const at::Tensor& codes, const at:
         std::fill(sw.begin(), sw.end(), 0.f);
       };
       for (int64_t r = 0; r < L; ++r) {
-        const int64_t pos = offset + r, page_i = pos / bs;
-        TORCH_CHECK(page_i < n_pages, "region reads past its block table");
-        const int64_t page = tp[b * n_pages + page_i];
-        TORCH_CHECK(page >= 0 && page < P, "page id ", page, " outside the pool");
-        unpack_any(static_cast<int>(bits), cp + ((page * H + h) * bs + pos % bs) * row_bytes, c.data(), D);
-        const float* ar = ap + ((b * Hf + hf) * R + pos / te) * G;
-        const float* zr = zp + ((b * Hf + hf) * R + pos / te) * G;
+        pg.unpack(b, h, r, c.data());
         if (te > 1) {
-          if (pos / te != row) {
+          if (pg.stat_row(r) != row) {
             flush();
-            row = pos / te;
+            row = pg.stat_row(r);
           }
           for (int64_t i = 0; i < M; ++i) {
             const float w = pp[(bh * M + i) * L + r];
@@ -201,7 +207,9 @@ at::Tensor affine_values(const at::Tensor& p, const at::Tensor& codes, const at:
           }
           continue;
         }
-        for (int64_t i = 0; i < M; ++i) {
+        const float* ar = pg.a_row(b, h, pg.stat_row(r));
+        const float* zr = pg.z_row(b, h, pg.stat_row(r));
+        for (int64_t i = 0; i < M; ++i) {  // one row per token: out_j += (p A_j) c_j, bias_j += p Z_j
           const float w = pp[(bh * M + i) * L + r];
           float* oi = ob + i * D;
           for (int64_t j = 0; j < G; ++j) {
@@ -222,8 +230,10 @@ at::Tensor affine_values(const at::Tensor& p, const at::Tensor& codes, const at:
 }
 
 TORCH_LIBRARY(kvquant_native, m) {
-  m.def("affine_scores(Tensor q, Tensor codes, Tensor table, Tensor a, Tensor z, int offset, int length, int bits, int te) -> Tensor");
-  m.def("affine_values(Tensor p, Tensor codes, Tensor table, Tensor a, Tensor z, int offset, int bits, int te) -> Tensor");
+  m.def("affine_scores(Tensor q, Tensor codes, Tensor table, Tensor a, Tensor z, int offset, int length, "
+        "int bits, int te) -> Tensor");
+  m.def("affine_values(Tensor p, Tensor codes, Tensor table, Tensor a, Tensor z, int offset, int bits, "
+        "int te) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kvquant_native, CPU, m) {
