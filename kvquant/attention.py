@@ -379,22 +379,14 @@ def _segments(view: LayerView, masks: _Masks, work: torch.dtype, stream_tokens: 
     kc, vc = (kf.codec if kf else view.key_codec), (vf.codec if vf else view.value_codec)
     for sub, off in split_region(view.body, view.block_size, stream_tokens, even=False):
         c0 = sink_n + off
-        k = _decode(kc, view.key_pages, sub, work)  # in R's frame for a rotated codec: no R^T per token
-        v = _decode(vc, view.value_pages, sub, work)
+        k = kc.decode_pages(view.key_pages, sub, work)  # in R's frame for a rotated codec: no R^T per token
+        v = vc.decode_pages(view.value_pages, sub, work)
         overlaps = masks.ends is not None and max(c0, f0) < min(c0 + sub.length, f1)
         yield _Segment(k, v, c0, "stored" if overlaps else None, kf, vf)
     if view.recent.length:
         yield _Segment(*_fp_region(view, view.recent, work), sink_n + body_n)
     if masks.copies_needed:
         yield _Segment(view.fresh_k.to(work), view.fresh_v.to(work), f0, "copy")
-
-
-def _decode(
-    codec, pages: dict[str, torch.Tensor], region: Region, work: torch.dtype, buf: torch.Tensor | None = None
-) -> torch.Tensor:
-    """One block of body tokens decoded by its codec (position-aware: pre-RoPE keys), (B, H_kv, n, D);
-    `buf` a flat fp32 scratch the codec may decode into (the result is then a view of it)."""
-    return codec.decode_pages(pages, region, work, buf)
 
 
 def _fp_region(view: LayerView, region: Region, work: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

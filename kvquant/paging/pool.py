@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..codec import Field
+from ..codec import Field, gather_region  # the reference path's read of a region (one copy of that code)
 
 if TYPE_CHECKING:
     from .budget import PageBudget
@@ -214,18 +214,3 @@ class PagePool:
         """The region's tokens as contiguous fields {name: (B, heads_f, rows, cols_f)} (a copy)."""
         names = list(names or self.fields)
         return gather_region({n: self.tensors[n] for n in names}, {n: self.fields[n] for n in names}, region)
-
-
-def gather_region(
-    pages: Mapping[str, torch.Tensor], fields: Mapping[str, Field], region: Region
-) -> dict[str, torch.Tensor]:
-    """Fields of a region's tokens, gathered from pool tensors pages[name] (P, heads_f, rows_per_page, cols)
-    into contiguous (B, heads_f, length // tokens_f, cols) tensors (a copy): the reference path's read."""
-    out = {}
-    for name, pool in pages.items():
-        tokens = fields[name].tokens
-        t = pool[region.table.to(pool.device)]  # (B, n, heads_f, rows_per_page, cols)
-        b, n, h, rpp, c = t.shape
-        rows = t.permute(0, 2, 1, 3, 4).reshape(b, h, n * rpp, c)
-        out[name] = rows[:, :, region.offset // tokens : (region.offset + region.length) // tokens]
-    return out
