@@ -5,7 +5,7 @@ rotation, and kvquant recipes at comparable bits for contrast.
     python benchmarks/engine_drift.py                    # 6 Wikipedia articles x 1,024 tokens
     python benchmarks/engine_drift.py --docs 12 --length 2048 --schemes 'vllm:turboquant_4bit_nc,int4-g64'
 
-Each scheme's codecs (kvquant.codec.codec_for with the layer index and K/V role, as the cache builds them)
+Each scheme's codecs (codecs.base.codec_for with the layer index and K/V role, as the cache builds them)
 encode and decode every layer's K and V before attention reads them, one forward per document. These
 formats code each (token, head) on its own, so this equals the decode-exact cache mode (every token through
 the quantized cache); vLLM's and llama.cpp's own prefill would attend the prompt unquantized. Drift =
@@ -37,7 +37,7 @@ DEFAULT = (
 def _codec_cache(config, scheme, heads: int, head_dim: int):
     from transformers import DynamicCache
 
-    from kvquant.codec import codec_for
+    from kvquant.codecs.base import codec_for
 
     codecs = {}
     for i in range(config.num_hidden_layers):
@@ -72,7 +72,7 @@ def main() -> None:
     from kvquant.eval.stats import bootstrap_intervals
     from transformers import DynamicCache
 
-    from kvquant.codec_engine_vllm import vllm_cache_scheme
+    from kvquant.codecs.engine_vllm import vllm_cache_scheme
     from kvquant.memory import cache_bytes
     from kvquant.models import load_model
     from kvquant.scheme import parse_scheme

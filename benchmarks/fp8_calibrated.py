@@ -33,7 +33,7 @@ def _fp8_cache(config, k_scales, v_scales, counts):
     """A DynamicCache whose update stores vLLM's FP8 write of K and V (and counts the values by range)."""
     from transformers import DynamicCache
 
-    from kvquant.codec_engine_vllm import vllm_dequantize, vllm_quantize
+    from kvquant.codecs.engine_vllm import vllm_dequantize, vllm_quantize
 
     class FP8Cache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):

@@ -113,7 +113,7 @@ def variants(subset: str) -> list[Variant]:
 
 def body_bytes_per_64(spec_text: str, h_kv: int, d: int, dtype) -> int:
     """Bytes one program reads per 64 body tokens of one KV head for one of K/V."""
-    from kvquant.codec import codec_for
+    from kvquant.codecs.base import codec_for
 
     codec = codec_for(spec_text, h_kv, d, dtype)
     return int(sum(f.nbytes(64) / f.heads for f in codec.fields().values()))
@@ -130,7 +130,7 @@ def call_variant(v: Variant, device: str = "cpu", body: int = 4096, with_ref: bo
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[v.dtype]
     h_q, h_kv = LAYOUT
     k_spec, v_spec = SCHEMES[v.scheme]
-    from kvquant.codec import codec_for
+    from kvquant.codecs.base import codec_for
 
     # a page holds whole token groups (channel-wise scales, -center offsets), as the cache's block size does
     bs = math.lcm(16, *(codec_for(s, h_kv, v.head_dim, dtype).token_group for s in (k_spec, v_spec)))

@@ -143,7 +143,7 @@ def candidates_for(engine: str, model: str | None = None, facts=None) -> Plan:
     cands: list[Candidate] = []
     skipped: list[Skipped] = []
     if engine == "vllm":
-        from kvquant.codec_engine_vllm import vllm_cache_scheme
+        from kvquant.codecs.engine_vllm import vllm_cache_scheme
 
         for n in ("fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"):
             cands.append(Candidate(f"vllm:{n}", n, "engine", _deploy("vllm", name, gguf, n)))

@@ -1,4 +1,4 @@
-"""Fit the codebooks of non-uniform (nuqN) specs and the rotations of -crot specs (`kvquant.codec_calibrot`:
+"""Fit the codebooks of non-uniform (nuqN) specs and the rotations of -crot specs (`kvquant.codecs.calibrot`:
 learned to preserve the attention output) on calibration text and write them (safetensors + JSON).
 
     python experiments/calibrate.py --scheme 'k=nuq3-channel-g64-prerope,v=nuq3-g64' \\

@@ -1,6 +1,6 @@
 """Codebook (`nuq2/3/4`) lookup inside the decode kernel: packed codes -> the fp16 values of their levels.
 
-The levels of one codec (2^bits of them, `kvquant.codec.CodebookCodec.levels`) reach the kernel as a small
+The levels of one codec (2^bits of them, `codecs.base.CodebookCodec.levels`) reach the kernel as a small
 table (`table_for`): the fp16 bits of each level (int16) for fp16 / bf16 attention, or the float32 levels
 for fp32 attention. Codes are read from the pool as int32 words (the launcher views a pool so when its rows
 are whole words: D a multiple of 8 for 4 bits, 16 for 2 bits, 32 for 3 bits), as the 8-bit integer codes:

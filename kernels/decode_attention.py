@@ -4,7 +4,7 @@
 Storage (per decoder layer; vLLM's layout, `block_size` BS tokens per page):
 
     fp_k, fp_v          (P_fp, H_kv, BS, D) model dtype      sink and recent-window tokens
-    key_pages[name]     (P_b, heads_f, BS // tokens_f, cols_f)   one pool per codec field (kvquant.codec);
+    key_pages[name]     (P_b, heads_f, BS // tokens_f, cols_f)   one pool per codec field (codecs.base);
     value_pages[name]   K and V body pages share page ids       affine: codes/scale/zero; dense: values
 
 A region (`.table` (B, n_pages) int64 page ids in position order, `.offset` slot of its first token in its
@@ -36,7 +36,7 @@ Masking: key_mask (B, T) bool, True = attend, positions in sink | body | recent 
 the mask bytes of its token block, so nothing is checked on the host (no device->host sync). A sequence
 with no attended token gets a zero output, as torch SDPA's math path gives for an all-False bool row.
 
-Rotated codecs (`-rot`, `kvquant.codec_transforms.kernel_frame`): body keys are stored as codes of R_k k
+Rotated codecs (`-rot`, `kvquant.codecs.transforms.kernel_frame`): body keys are stored as codes of R_k k
 and body values decode to R_v v, so `decode_attention` serves them with the same kernel in the rotated
 frame: (R_k q).(R_k k) = q.k, and sum_j p_j v_j = R_v^T sum_j p_j (R_v v_j). It rotates the query by R_k,
 gives the kernel rotated copies of the FP sink and window pages (R_k k, R_v v; a small pool of just the
@@ -65,7 +65,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvquant.codec_transforms import KernelFrame
+from kvquant.codecs.transforms import KernelFrame
 
 from .codebook import _level, lut_tables, lut_words, words_ok
 from .layouts import decode_frame, decode_layout, decode_parts, device_levels
@@ -151,7 +151,7 @@ def _codes(p, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, BIAS: 
            OUT: tl.constexpr, ASM: tl.constexpr):
     """(BLOCK_T, D * BITS // 8) packed bytes -> (BLOCK_T, D) in OUT holding code - BIAS exactly.
 
-    Byte j holds codes per*j .. per*j+per-1, lowest bits first (kvquant.packing). Integer -> float by the
+    Byte j holds codes per*j .. per*j+per-1, lowest bits first (codecs.packing). Integer -> float by the
     exponent trick instead of a (quarter-rate) I2F: OR-ing a code c into the mantissa of 2^m gives the
     float 2^m + c (fp16: 0x6400 = 1024; fp32: 0x4B000000 = 2^23, for bf16 too), and one
     subtraction of 2^m + BIAS, exact, leaves c - BIAS (BIAS: a symmetric spec's code offset, else 0)."""
@@ -306,7 +306,7 @@ def _load_body(
     block [t0, t0 + BLOCK_T) of the region (tab_row: its block-table row, s_btn: stride; hi: its end)
     holds BLOCK_T // TE whole scale rows (t0, B_OFF and BS are multiples of TE): those rows are loaded
     once, (BLOCK_T // TE, D), and broadcast along their TE tokens, instead of one row per token.
-    FMT 1 / 2: float8 codes (E4M3 / E5M2, kvquant.codec_fp8) read as int32 words, their values times the
+    FMT 1 / 2: float8 codes (E4M3 / E5M2, kvquant.codecs.fp8) read as int32 words, their values times the
     scale laid out as above (no zero; SYM); UNIT: no scale at all (`-tensor`), x is the codes' values.
     LUT: codebook codes (`kernels.layouts.CodebookKernelLayout`; BITS 2, 3 or 4): each code is looked up in
     the levels table lv_ptr (`kernels.codebook.table_for`: fp16 bits, or fp32 for fp32 attention; tab: its
@@ -1016,8 +1016,8 @@ def decode_attention(
         multiple of H_kv (GQA; H_kv = 1 is MQA).
     fp_k, fp_v: FP pools (P_fp, H_kv, BS, D), float; may be None when sink and recent hold no token.
     key_pages / value_pages: the body pools by codec field name, (P_b, heads_f, BS // tokens_f, cols_f)
-        (kvquant.codec); key_codec / value_codec: their codecs, with a kernel layout or `-rot` around one
-        (`kvquant.codec_transforms.kernel_frame`).
+        (codecs.base); key_codec / value_codec: their codecs, with a kernel layout or `-rot` around one
+        (`kvquant.codecs.transforms.kernel_frame`).
     sink, body, recent: regions (`.table` (B or 1, n) int64, `.offset`, `.length`) or None; sink and
         recent index the FP pools, body the body pools. The body offset and BS are multiples of each
         codec's token group.

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 
 import torch
 
-from kvquant.codec_transforms import kernel_frame
-from kvquant.quantize import QTensor, quantize
+from kvquant.codecs.quantize import QTensor, quantize
+from kvquant.codecs.transforms import kernel_frame
 from kvquant.scheme import QuantSpec
 
 from .decode_attention import decode_attention
@@ -40,7 +40,7 @@ def _triton_runs_on(device: torch.device) -> bool:
 
 
 def quantize_pack(x: torch.Tensor, spec: QuantSpec, *, registry: KernelRegistry | None = None) -> QTensor:
-    """x (B, H_kv, T, D) -> QTensor, bit for bit `kvquant.quantize.quantize(x, spec)`."""
+    """x (B, H_kv, T, D) -> QTensor, bit for bit `kvquant.codecs.quantize.quantize(x, spec)`."""
     if not _triton_runs_on(x.device):
         return quantize(x, spec)
     return _quantize_pack_kernel(x, spec, registry=registry)

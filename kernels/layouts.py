@@ -9,11 +9,11 @@
       either (no `-rot` between)   offset / out_values, out_index   the outliers written at their indices
     anything else                  None: the reference path
 
-Codebook codecs (`kvquant.codec.CodebookCodec`) declare no kernel layout of their own, but store exactly
+Codebook codecs (`kvquant.codecs.base.CodebookCodec`) declare no kernel layout of their own, but store exactly
 the affine codec's fields (packed `codes`, `scale` per block of the spec's extent, `zero` unless -sym):
 only the meaning differs. A code c decodes to level[c] * scale (+ zero), the scale the block's half range
 (or absmax for -sym, never divided by a qmax), level[] the 2^bits calibrated levels (float32). 3-bit codes
-are packed 8 per 3 bytes (`kvquant.packing`). The levels go to the kernel as a (2^bits,) float32 device
+are packed 8 per 3 bytes (`kvquant.codecs.packing`). The levels go to the kernel as a (2^bits,) float32 device
 tensor, copied once per codec and device (`device_levels`).
 """
 
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvquant.codec import CodebookCodec, KernelLayout
-from kvquant.codec_transforms import CenterCodec, KernelFrame, OutlierCodec, RotationCodec, kernel_frame
+from kvquant.codecs.base import CodebookCodec, KernelLayout
+from kvquant.codecs.transforms import CenterCodec, KernelFrame, OutlierCodec, RotationCodec, kernel_frame
 
 __all__ = ["CodebookKernelLayout", "DecodeParts", "decode_layout", "decode_frame", "decode_parts",
            "device_levels", "describe_unserved"]
@@ -82,7 +82,7 @@ def decode_layout(codec) -> KernelLayout | None:
 
 def decode_frame(codec, device) -> KernelFrame | None:
     """The codec the decode kernel reads and the rotation of its frame (`KernelFrame`), or None (reference).
-    `kvquant.codec_transforms.kernel_frame` for the codecs with a kernel layout, plus codebook codecs and
+    `kvquant.codecs.transforms.kernel_frame` for the codecs with a kernel layout, plus codebook codecs and
     `-rot` around one (served in the rotated frame, as around an affine codec)."""
     frame = kernel_frame(codec, device)
     if frame is not None:

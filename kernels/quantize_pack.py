@@ -2,7 +2,7 @@
 twin `quantize_pack_into_ref`; `quantize_pack` / `quantize_pack_ref` return a non-paged QTensor.
 
 `quantize_pack_into(x, codec, pages, table, start)` encodes x (B, H_kv, t, D) with an affine codec
-(kvquant.codec) and writes codes, scale and zero into the page pools at region tokens [start, start + t)
+(kvquant.codecs.base) and writes codes, scale and zero into the page pools at region tokens [start, start + t)
 of each sequence's table row; the twin is `codec.encode(x)` followed by the same index writes. What one
 program handles follows the codec's block extent (its `kernel_layout()`), never a granularity switch:
 
@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kvquant.codec import codec_for
-from kvquant.quantize import QTensor, quantize
+from kvquant.codecs.base import codec_for
+from kvquant.codecs.quantize import QTensor, quantize
 from kvquant.scheme import QuantSpec
 
 from .registry import KernelRegistry, default_registry
@@ -81,7 +81,7 @@ def _next_after(r, UP: tl.constexpr, KIND: tl.constexpr):
 
 @triton.jit
 def _round_to_cover(t, UP: tl.constexpr, KIND: tl.constexpr):
-    """kvquant.quantize._round: nearest in the scale dtype, then one step up (UP) or down where that fell
+    """codecs.quantize._round: nearest in the scale dtype, then one step up (UP) or down where that fell
     short of t, so a stored scale or zero never shrinks the range it covers."""
     r = _round_nearest(t, KIND)
     if KIND != 2:
@@ -96,7 +96,7 @@ def _quantize_tile(x, valid, AXIS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: 
     """x: fp32 tile, valid: its in-bounds mask; one block per line along AXIS.
 
     Returns (codes (like x, int32, unpacked), scale, zero), scale/zero reduced over AXIS, as stored (fp32
-    values exact in the scale dtype). The steps and their order are kvquant.quantize.quantize's.
+    values exact in the scale dtype). The steps and their order are kvquant.codecs.quantize.quantize's.
     """
     bad = valid & ((x != x) | (tl.abs(x) == float("inf")))
     finite = tl.sum(bad.to(tl.int32), axis=AXIS) == 0  # a NaN/Inf block gets a NaN scale and zero codes
@@ -120,12 +120,12 @@ def _quantize_tile(x, valid, AXIS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: 
         zero = _round_to_cover(lo, False, KIND).to(tl.float32)
         span = hi.to(tl.float32) - zero
         scale = _round_to_cover(tl.math.div_rn(span, QMAX * 1.0), True, KIND).to(tl.float32)
-        short = scale * QMAX < span  # kvquant.quantize._round_up_to_cover: scale * qmax must reach the span
+        short = scale * QMAX < span  # codecs.quantize._round_up_to_cover: scale * qmax must reach the span
         scale = tl.where(short, _next_after(scale, True, KIND), scale)
         v = tl.math.div_rn(x - tl.expand_dims(zero, AXIS), tl.expand_dims(scale, AXIS)) + 0.5
         q = tl.minimum(tl.maximum(tl.floor(v), 0.0), QMAX)
         fill = 0
-    # a finite block whose statistic overflows the scale dtype is poisoned too (kvquant.quantize.quantize)
+    # a finite block whose statistic overflows the scale dtype is poisoned too (codecs.quantize.quantize)
     finite = finite & (tl.abs(scale) != float("inf")) & (scale == scale)
     if not SYMMETRIC:
         finite = finite & (tl.abs(zero) != float("inf")) & (zero == zero)
@@ -138,7 +138,7 @@ def _quantize_tile(x, valid, AXIS: tl.constexpr, BITS: tl.constexpr, SYMMETRIC: 
 
 @triton.jit
 def _pack_rows(q, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
-    """(ROWS, COLS) int32 codes -> (ROWS, COLS * BITS // 8) bytes, lowest bits first (kvquant.packing)."""
+    """(ROWS, COLS) int32 codes -> (ROWS, COLS * BITS // 8) bytes, lowest bits first (codecs.packing)."""
     PER: tl.constexpr = 8 // BITS
     if PER == 1:
         return q.to(tl.uint8)
@@ -392,7 +392,7 @@ def quantize_pack_into(x: torch.Tensor, codec, pages: Mapping[str, torch.Tensor]
                        start: int, *, registry: KernelRegistry | None = None) -> None:
     """Quantize + pack x (B, H_kv, t, D) with `codec` and write it straight into the body pages.
 
-    pages: the codec's field pools by name, (P, heads_f, BS // tokens_f, cols_f) (kvquant.codec);
+    pages: the codec's field pools by name, (P, heads_f, BS // tokens_f, cols_f) (kvquant.codecs.base);
     table: (B, n_pages) int64 page ids of a region in position order (its offset 0); the t tokens go to
     region tokens [start, start + t): token i to page table[b, (start + i) // BS], slot (start + i) % BS,
     its scale row to slot // token_extent. start and t are multiples of the codec's token group, and so
@@ -415,7 +415,7 @@ def quantize_pack(x: torch.Tensor, spec: QuantSpec, *, registry: KernelRegistry 
     """Quantize x (B, H_kv, T, D) with a quantized `spec` and pack the codes along D (not paged).
 
     Returns a QTensor: codes uint8 (B, H_kv, T, D * bits // 8), scale/zero of `scale_shape(x.shape, spec)`
-    in the spec's scale dtype (default x.dtype); equal bit for bit to `kvquant.quantize.quantize(x, spec)`.
+    in the spec's scale dtype (default x.dtype); equal bit for bit to `codecs.quantize.quantize(x, spec)`.
     The same kernel as `quantize_pack_into`, with each sequence's tensor seen as one page of T tokens.
     """
     if x.dim() != 4:
@@ -443,5 +443,5 @@ def quantize_pack(x: torch.Tensor, spec: QuantSpec, *, registry: KernelRegistry 
 
 
 def quantize_pack_ref(x: torch.Tensor, spec: QuantSpec) -> QTensor:
-    """The reference twin of `quantize_pack` (same signature, same result): `kvquant.quantize.quantize`."""
+    """The reference twin of `quantize_pack` (same signature, same result): `codecs.quantize.quantize`."""
     return quantize(x, spec)

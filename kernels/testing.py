@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvquant.codec import Codec, codec_for
+from kvquant.codecs.base import Codec, codec_for
 
 from .quantize_pack import quantize_pack_into_ref, write_fields
 

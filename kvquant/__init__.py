@@ -16,8 +16,6 @@ registers it explicitly (for code that writes the literal "kvquant").
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
@@ -31,10 +29,10 @@ _LAZY: dict[str, str] = {
     "disable": "hf",
     "enable": "hf",
     "load_model": "models",
-    "QTensor": "quantize",
-    "dequantize": "quantize",
-    "fake_quantize": "quantize",
-    "quantize": "quantize",
+    "QTensor": "codecs.quantize",
+    "dequantize": "codecs.quantize",
+    "fake_quantize": "codecs.quantize",
+    "quantize": "codecs.quantize",
     "Granularity": "scheme",
     "QuantSpec": "scheme",
     "Scheme": "scheme",
@@ -88,19 +86,6 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | set(__all__))
 
 
-class _Package(types.ModuleType):
-    """kvquant's module type: `kvquant.quantize` stays the function although a submodule has that name.
-
-    Importing the submodule `kvquant.quantize` (which `kvquant.cache` does) binds it as an attribute of the
-    package, and would hide the function that `kvquant.quantize` has always named."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in _LAZY and isinstance(value, types.ModuleType) and hasattr(value, name):
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 _registered = False
 
 
@@ -116,9 +101,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs; at run time these come from __g
     from . import memory
     from .attention import ATTN_IMPLEMENTATION, register_attention
     from .cache import QuantizedCache, QuantizedLayer
+    from .codecs.quantize import QTensor, dequantize, fake_quantize, quantize
     from .hf import disable, enable
     from .models import load_model
-    from .quantize import QTensor, dequantize, fake_quantize, quantize
     from .scheme import (
         Granularity,
         QuantSpec,

@@ -27,7 +27,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .backend import ATTN_IMPLEMENTATION
 from .cache import LayerView
-from .codec import PageRead, page_rows, split_region
+from .codecs.base import PageRead, page_rows, split_region
 from .store import Region
 
 __all__ = [

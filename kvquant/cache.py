@@ -38,8 +38,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from .backend import ATTN_IMPLEMENTATION, KernelHandle, check_backend, kernel_fallback, uses_kernels
-from .codec import Codec, Field
-from .codec_transforms import kernel_frame
+from .codecs.base import Codec, Field
+from .codecs.transforms import kernel_frame
 from .memory import KVShape
 from .plan import LayerPlan
 from .scheme import Scheme, parse_scheme

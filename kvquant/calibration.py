@@ -6,7 +6,7 @@ A calibration is two files side by side:
     NAME.safetensors   tensors "codebook/<layer>/<k|v>/<spec>": (2^bits,) float32 levels, ascending, in about
                        [-1, 1]: the values a block normalized by its scale (and centre) is rounded to;
                        "rotation/<layer>/<k|v>/<spec>": (D, D) float32 orthogonal M of a -crot spec
-                       (`kvquant.codec_calibrot`: learned to preserve the attention output)
+                       (`kvquant.codecs.calibrot`: learned to preserve the attention output)
     NAME.json          metadata: model, its shape (layers, KV heads, head_dim), the schemes and specs fitted,
                        corpus, document titles, tokens, seed, samples per table, kvquant version, time
 
@@ -20,7 +20,7 @@ Fitting (`fit_codebook`): Lloyd-Max (1-D k-means) on a seeded random sample of t
 sample's quantiles, so the levels minimize the mean squared error of the normalized values. Collection
 (`collect`): one forward per calibration document through the model with an ordinary cache; each layer's K
 and V (keys un-rotated for `-prerope` specs) are normalized exactly as
-`kvquant.codec.CodebookCodec.normalize` does at run time.
+`kvquant.codecs.base.CodebookCodec.normalize` does at run time.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ class CalibrationError(SchemeError):
 @dataclass(frozen=True)
 class Entry:
     """One table: layer, role ("k" or "v"), the spec it serves and its kind: "codebook" ((2^bits,) levels of
-    a nuqN spec) or "rotation" ((D, D) orthogonal matrix of a -crot spec, `kvquant.codec_calibrot`)."""
+    a nuqN spec) or "rotation" ((D, D) orthogonal matrix of a -crot spec, `kvquant.codecs.calibrot`)."""
 
     layer: int
     role: str
@@ -253,7 +253,7 @@ def _collect(model, documents, entries, *, max_samples: int, seed: int, progress
     import torch
     from transformers import DynamicCache
 
-    from .codec import codec_for
+    from .codecs.base import codec_for
     from .memory import KVShape
 
     entries = list(entries)
@@ -307,7 +307,7 @@ def calibrate(
     """Fit every entry's table on the documents: {entry name: levels or rotation}.
 
     Codebooks of specs without -crot: `collect` on every document, then `fit_codebook`. -crot specs
-    (`kvquant.codec_calibrot.fit_rotations`, rotation and codebook): the first `rotation_docs` documents cut
+    (`kvquant.codecs.calibrot.fit_rotations`, rotation and codebook): the first `rotation_docs` documents cut
     to `rotation_tokens`, `rotation_steps` Adam steps on `rotation_queries` sampled queries per document; the
     next document (cut alike), when there is one, is held out and scored into `report`."""
     entries = list(entries)
@@ -321,7 +321,7 @@ def calibrate(
         }
     crot = [e for e in entries if e.spec.rotate_calib]
     if crot:
-        from .codec_calibrot import fit_rotations
+        from .codecs.calibrot import fit_rotations
 
         docs = [d[:, :rotation_tokens] for d in documents]
         tables |= fit_rotations(

@@ -6,7 +6,7 @@ Some model families add a bias in the key projection (Qwen2, for one). Their key
 offsets many times the token-to-token spread, and every per-token or per-group key spec spends its range on
 the offset: the signal falls below one quantization step and perplexity explodes (transformers#35185).
 Channel-wise keys (`-channel-gN`, one zero point per channel) and `-center` (a stored per-channel offset,
-`kvquant.codec_transforms.CenterCodec`) survive it.
+`kvquant.codecs.transforms.CenterCodec`) survive it.
 
 Statistics per layer and K/V, over a probe x (B, H, T, D) with per-(head, channel) mean mu_hc and std s_hc
 over tokens:
@@ -126,7 +126,7 @@ class Diagnosis:
 def tensor_stats(x: torch.Tensor, candidates: tuple[str, ...] = ()) -> TensorStats:
     """Statistics of x (B, H, T, D) (T >= 2); SQNR of each candidate spec over the first T // 64 * 64 tokens
     (so channel-wise and -center groups are whole)."""
-    from .quantize import fake_quantize, sqnr_db
+    from .codecs.quantize import fake_quantize, sqnr_db
 
     x = x.detach().double()
     b, h, t, d = x.shape
@@ -363,7 +363,7 @@ def offset_warning(model, scheme: Scheme | str, input_ids: torch.Tensor | None =
 
 def _spec_bits(spec: str, head_dim: int = 64, heads: int = 1) -> float:
     """Bits per value at FP16 of a candidate (for the report)."""
-    from .codec import codec_for
+    from .codecs.base import codec_for
 
     c = codec_for(parse_spec(spec), heads, head_dim, torch.float16)
     n = c.token_group * 16

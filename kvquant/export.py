@@ -2,7 +2,7 @@
 
 vLLM's per-tensor FP8 cache (`--kv-cache-dtype fp8`) divides every K (V) value of layer i by that layer's
 `k_scale` (`v_scale`) before the saturating E4M3 conversion and multiplies it back on read
-(`kvquant.codec_engine_vllm`). It reads the scales from the checkpoint as llm-compressor / compressed-tensors
+(`kvquant.codecs.engine_vllm`). It reads the scales from the checkpoint as llm-compressor / compressed-tensors
 write them: one tensor per layer and role,
 
     model.layers.{i}.self_attn.k_scale    strategy "tensor": shape (1,);  "attn_head": (H_kv, 1, 1)

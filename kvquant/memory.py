@@ -3,7 +3,7 @@
 FP16 baseline: 2 (K and V) * L layers * H_kv heads * d head_dim * B bytes per value, per token.
 Llama-3-70B (L=80, H_kv=8, d=128) at FP16: 2*80*8*128*2 = 327,680 B = 320 KiB per token.
 A quantized spec stores per token and head d*bits/8 bytes of codes plus its scales (and zeros), as its
-codec's fields declare (`kvquant.codec`):
+codec's fields declare (`kvquant.codecs.base`):
     token: 1 per token      head: H_kv per token      group-N: H_kv*d/N per token
     channel-N: H_kv*d per N tokens
 The cache stores pages of block_size tokens, so `cache_bytes` rounds each region (sink, body, recent
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import codec_for
+from .codecs.base import codec_for
 from .plan import LayerPlan
 from .scheme import QuantSpec, Scheme, parse_scheme
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import Codec, Field, codec_for
+from .codecs.base import Codec, Field, codec_for
 from .scheme import Scheme
 
 __all__ = ["LayerPlan"]
@@ -67,7 +67,7 @@ class LayerPlan:
         rope=None,
     ) -> LayerPlan:
         """The plan of a layer with H_kv=heads of head_dim, K/V in dtype; layer, calib and rope give
-        calibrated and pre-RoPE codecs their tables (`kvquant.codec.codec_for`)."""
+        calibrated and pre-RoPE codecs their tables (`kvquant.codecs.base.codec_for`)."""
         if scheme.layers:
             raise ValueError("a layer plan takes the layer's uniform scheme: pass scheme.for_layer(i)")
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:

@@ -34,33 +34,33 @@ order:
                   fp8 is always absmax-scaled and takes neither)
     -sfp16 / -sbf16 / -sfp32   dtype of stored scales and zeros (default: the K/V dtype)
 
-then the research transforms (`kvquant.codec_transforms`), after all of the above, in this order:
+then the research transforms (`kvquant.codecs.transforms`), after all of the above, in this order:
 
     -center[N]    subtract a per-(head, channel) offset, the mean of each N tokens (default 64), stored in
                   the K/V dtype (16/N bits per value at FP16): keys with large per-channel offsets
     -rot[S]       orthonormal Walsh-Hadamard rotation over D with random signs from seed S (default 0)
     -crot         (instead of -rot) a calibrated orthogonal D x D rotation per layer and K/V, learned to
-                  preserve the attention output (`kvquant.codec_calibrot`); needs calib=
+                  preserve the attention output (`kvquant.codecs.calibrot`); needs calib=
     -outP         keep the top P% magnitudes of each (token, head) vector exact (FP16 value + index) and
                   quantize the rest over the tighter range (0 < P <= 25: -out1, -out0.5)
     -prerope      (keys only, last) stored before the rotary embedding; RoPE is re-applied on read
 
 `fp16-rot[S]` (rotation without quantization) is valid too: attention is unchanged up to rounding.
 
-Engine formats, stored bit for bit as the engine lays them out (`kvquant.codec_engine`), take no options
+Engine formats, stored bit for bit as the engine lays them out (`kvquant.codecs.engine`), take no options
 (only -prerope): `llama.cpp:q8_0`, `llama.cpp:q4_0`, `llama.cpp:q4_1`, `llama.cpp:q5_0`, `llama.cpp:q5_1`,
 `llama.cpp:iq4_nl` (llama.cpp's -ctk / -ctv cache types; `llama.cpp:k=q8_0,v=q4_0` for -ctk q8_0 -ctv q4_0),
-`mxfp4`, `nvfp4` (ggml's FP4 blocks); vLLM's `--kv-cache-dtype` values (`kvquant.codec_engine_vllm`):
+`mxfp4`, `nvfp4` (ggml's FP4 blocks); vLLM's `--kv-cache-dtype` values (`kvquant.codecs.engine_vllm`):
 `vllm:fp8` (= `vllm:fp8_e4m3`), `vllm:fp8_e5m2` (per-tensor scale 1.0, saturating),
 `vllm:int8_per_token_head`, `vllm:fp8_per_token_head` (one fp32 scale per token and head), and vLLM's
 TurboQuant presets `vllm:turboquant_k8v4`, `vllm:turboquant_4bit_nc`, `vllm:turboquant_k3v4_nc`,
 `vllm:turboquant_3bit_nc` (a whole scheme item or a layers= range spec: K and V are stored differently, as
 the halves `vllm:turboquant_4bit_nc.k` / `.v`; vLLM's default boundary layers are the layers= form,
-`kvquant.codec_engine_vllm.vllm_cache_scheme`). llama.cpp's names rotate K/V with a Hadamard matrix when
+`kvquant.codecs.engine_vllm.vllm_cache_scheme`). llama.cpp's names rotate K/V with a Hadamard matrix when
 head_dim % 64 == 0, as llama.cpp does by default; `llama.cpp:q4_0-norot` is LLAMA_ATTN_ROT_DISABLE=1,
 `llama.cpp:q4_0-rot` requires the rotation.
 
-TurboQuant (Zandieh et al., ICLR 2026; `kvquant.codec_turbo`) is its own family, with its own options in this
+TurboQuant (Zandieh et al., ICLR 2026; `kvquant.codecs.turbo`) is its own family, with its own options in this
 order (only -prerope follows them):
 
     turboB        per (token, head): the norm (fp16) and a random rotation of the direction, each coordinate
@@ -115,7 +115,7 @@ class Granularity(str, enum.Enum):
 
 
 # Stored-scale dtypes by name: this module never imports torch (CLIs validate schemes before heavy imports);
-# `kvquant.codec.torch_dtype` maps a name to its torch dtype.
+# `kvquant.codecs.base.torch_dtype` maps a name to its torch dtype.
 SCALE_DTYPES: tuple[str, ...] = ("fp16", "bf16", "fp32")
 _TORCH_NAMES = {"torch.float16": "fp16", "torch.bfloat16": "bf16", "torch.float32": "fp32"}
 BITS = (16, 8, 4, 3, 2)
@@ -126,7 +126,7 @@ CALIBRATE_COMMAND = (
 FP8_KINDS: tuple[str, ...] = ("e4m3", "e5m2")  # torch.float8_e4m3fn, torch.float8_e5m2
 DEFAULT_CENTER = 64  # tokens per stored key offset of `-center`
 MAX_OUTLIER_PERCENT = 25.0
-# Engine block formats (`kvquant.codec_engine`), by canonical spec name: (nominal bits per value, values per
+# Engine block formats (`kvquant.codecs.engine`), by canonical spec name: (nominal bits per value, values per
 # block along head_dim). llama.cpp's names are its -ctk / -ctv cache types; MXFP4 / NVFP4 are ggml's blocks.
 ENGINE_FORMATS: dict[str, tuple[int, int]] = {
     "llama.cpp:q8_0": (8, 32),
@@ -137,12 +137,12 @@ ENGINE_FORMATS: dict[str, tuple[int, int]] = {
     "llama.cpp:iq4_nl": (4, 32),
     "mxfp4": (4, 32),
     "nvfp4": (4, 64),
-    # vLLM's --kv-cache-dtype values (`kvquant.codec_engine_vllm`): one scale per tensor or per (token, head)
+    # vLLM's --kv-cache-dtype values (`kvquant.codecs.engine_vllm`): one scale per tensor or per (token, head)
     "vllm:fp8_e4m3": (8, 1),
     "vllm:fp8_e5m2": (8, 1),
     "vllm:int8_per_token_head": (8, 1),
     "vllm:fp8_per_token_head": (8, 1),
-    # vLLM's TurboQuant presets, one spec per half (`kvquant.codec_engine_vllm.TurboQuantCodec`): the scheme
+    # vLLM's TurboQuant presets, one spec per half (`kvquant.codecs.engine_vllm.TurboQuantCodec`): the scheme
     # item `vllm:turboquant_4bit_nc` expands to k=vllm:turboquant_4bit_nc.k,v=vllm:turboquant_4bit_nc.v
     "vllm:turboquant_k8v4.k": (8, 1),
     "vllm:turboquant_k8v4.v": (4, 2),
@@ -152,7 +152,7 @@ ENGINE_FORMATS: dict[str, tuple[int, int]] = {
     "vllm:turboquant_k3v4_nc.v": (4, 2),
     "vllm:turboquant_3bit_nc.k": (3, 8),
     "vllm:turboquant_3bit_nc.v": (3, 8),
-    # llama.cpp's attention rotation (`kvquant.codec_engine`): the plain names rotate when head_dim % 64 == 0
+    # llama.cpp's attention rotation (`kvquant.codecs.engine`): the plain names rotate when head_dim % 64 == 0
     # (llama.cpp's default since April 2026), -norot never (LLAMA_ATTN_ROT_DISABLE=1), -rot always (refused
     # when head_dim is not a multiple of 64)
     **{
@@ -205,7 +205,7 @@ _TURBO_RE = re.compile(
 
 @dataclass(frozen=True)
 class TurboSpec:
-    """TurboQuant (Zandieh et al., ICLR 2026; `kvquant.codec_turbo`): per (token, head) vector, its norm
+    """TurboQuant (Zandieh et al., ICLR 2026; `kvquant.codecs.turbo`): per (token, head) vector, its norm
     (fp16) and a random rotation of its direction quantized coordinate by coordinate with Lloyd-Max levels
     of the rotated coordinate's distribution.
 
@@ -324,12 +324,12 @@ class QuantSpec:
     center: tokens per stored per-(head, channel) offset subtracted before quantizing (`-centerN`).
     rotate: seed of the random signs of the Walsh-Hadamard rotation applied before quantizing (`-rotS`).
     rotate_calib: `-crot`: the rotation is a calibrated orthogonal matrix per layer and K/V from the
-        calibration file (`kvquant.codec_calibrot`), not the seeded Hadamard; rotate is then 0.
+        calibration file (`kvquant.codecs.calibrot`), not the seeded Hadamard; rotate is then 0.
     outliers: percent of each (token, head) vector's largest magnitudes kept exact (`-outP`).
     unit_scale: fp8 only (`-tensor`): one fixed unit scale for everything, nothing stored (granularity
         unused).
     engine: an engine's block format (a key of `ENGINE_FORMATS`: `llama.cpp:q4_0`, `mxfp4`, ...), stored as
-        the engine lays it out (`kvquant.codec_engine`); bits is then the format's nominal width (set from
+        the engine lays it out (`kvquant.codecs.engine`); bits is then the format's nominal width (set from
         it) and every other option stays at its default (only -prerope combines with it).
     turbo: TurboQuant (`TurboSpec`, `turboB...`); bits is then its code bits rounded up and every other
         option stays at its default (only -prerope combines with it).
@@ -889,7 +889,7 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
         )
     if _LONG_NUMBER.search(text):
         raise _spec_error(text, "a number of 11 or more digits is beyond every bound (group sizes, seeds)")
-    if text.startswith("turbo"):  # TurboQuant (kvquant.codec_turbo): its own options, `TurboSpec.parse`
+    if text.startswith("turbo"):  # TurboQuant (kvquant.codecs.turbo): its own options, `TurboSpec.parse`
         try:
             return QuantSpec(4, turbo=TurboSpec.parse(text))
         except SchemeError as e:
@@ -947,7 +947,7 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
         if kind == "center":
             center = int(opt[6:]) if opt[6:] else DEFAULT_CENTER
         elif kind == "rotation":
-            rotate_calib = opt == "crot"  # the calibrated rotation (kvquant.codec_calibrot)
+            rotate_calib = opt == "crot"  # the calibrated rotation (kvquant.codecs.calibrot)
             rotate = 0 if rotate_calib else int(opt[3:] or 0)
         elif kind == "outliers":
             if not re.fullmatch(r"out\d+(\.\d+)?", opt):

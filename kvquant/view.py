@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import Codec, Field
+from .codecs.base import Codec, Field
 from .plan import LayerPlan
 from .scheme import Scheme
 from .store import Region, gather_region

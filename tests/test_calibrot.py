@@ -1,4 +1,4 @@
-"""`-crot`: the calibrated rotation (kvquant.codec_calibrot): grammar, codec, fitting, file, cache."""
+"""`-crot`: the calibrated rotation (kvquant.codecs.calibrot): grammar, codec, fitting, file, cache."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from tiny_models import make_tiny_model
 
 import kvquant
 from kvquant.calibration import entries_for, load_calibration, save_calibration
-from kvquant.codec import codec_for
-from kvquant.codec_calibrot import (
+from kvquant.codecs.base import codec_for
+from kvquant.codecs.calibrot import (
     CalibRotationCodec,
     attention_error,
     capture,
@@ -17,7 +17,7 @@ from kvquant.codec_calibrot import (
     hadamard_matrix,
     surrogate_roundtrip,
 )
-from kvquant.codec_transforms import hadamard_signs, rotate
+from kvquant.codecs.transforms import hadamard_signs, rotate
 from kvquant.scheme import SchemeError, parse_scheme, parse_spec
 
 

@@ -1,4 +1,4 @@
-"""TurboQuant (`turboB...`, kvquant.codec_turbo): the Lloyd-Max levels against scipy integration and the
+"""TurboQuant (`turboB...`, kvquant.codecs.turbo): the Lloyd-Max levels against scipy integration and the
 Gaussian limit, round-trip SQNR floors, the distortion the paper's Theorem 1 predicts, the QJL estimator's
 unbiasedness, bytes held = the formula, the grammar, and the cache end to end on the tiny model."""
 
@@ -13,9 +13,9 @@ from scipy import integrate
 
 import kvquant
 from kvquant import memory
-from kvquant.codec import codec_for
-from kvquant.codec_turbo import TurboCodec, _pack, _unpack, lloyd_max_levels, turbo_density
-from kvquant.quantize import sqnr_db
+from kvquant.codecs.base import codec_for
+from kvquant.codecs.quantize import sqnr_db
+from kvquant.codecs.turbo import TurboCodec, _pack, _unpack, lloyd_max_levels, turbo_density
 from kvquant.scheme import QuantSpec, SchemeError, TurboSpec, parse_scheme, parse_spec
 
 # ------------------------------------------------------------------------------------------------- levels
@@ -141,7 +141,7 @@ def test_outlier_split_beats_the_lower_width_and_nc_keeps_norms():
 
 def test_hadamard_single_group_is_kvquants_rot():
     """turboB-had rotates with -rot's signs of the same seed (H diag(s)), so the rotated frame is shared."""
-    from kvquant.codec_transforms import hadamard_signs
+    from kvquant.codecs.transforms import hadamard_signs
 
     c = codec_for("turbo3-had-seed7", 1, 64)
     assert torch.equal(c.rotation(0), hadamard_signs(7, 64))

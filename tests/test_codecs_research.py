@@ -15,9 +15,10 @@ import torch
 
 import kvquant
 from kvquant import memory
-from kvquant.codec import codec_for
-from kvquant.codec_fp8 import FP8Codec
-from kvquant.codec_transforms import (
+from kvquant.codecs.base import codec_for
+from kvquant.codecs.fp8 import FP8Codec
+from kvquant.codecs.quantize import fake_quantize, quantize, sqnr_db
+from kvquant.codecs.transforms import (
     CenterCodec,
     OutlierCodec,
     RotationCodec,
@@ -26,7 +27,6 @@ from kvquant.codec_transforms import (
     rotate,
     unrotate,
 )
-from kvquant.quantize import fake_quantize, quantize, sqnr_db
 from kvquant.scheme import (
     EXAMPLES,
     Granularity,

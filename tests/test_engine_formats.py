@@ -1,4 +1,4 @@
-"""Engine block formats (kvquant.codec_engine) against a second implementation: the `gguf` package's
+"""Engine block formats (kvquant.codecs.engine) against a second implementation: the `gguf` package's
 `gguf.quants.quantize` / `dequantize` (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, MXFP4 both ways; IQ4_NL and NVFP4 decode
 only, plus its UE4M3 conversions) and, where it installs, torchao's MX / NVFP4 reference. Bytes are compared
 with np.array_equal: bit for bit."""
@@ -17,8 +17,8 @@ from gguf import quants as gq
 from gguf.constants import GGML_QUANT_SIZES
 
 import kvquant
-from kvquant.codec import codec_for
-from kvquant.codec_engine import (
+from kvquant.codecs.base import codec_for
+from kvquant.codecs.engine import (
     BLOCK_TYPES,
     IQ4_NL_VALUES,
     attn_rotate,
@@ -459,7 +459,7 @@ def test_real_kv_rows_of_the_default_model_identical_to_gguf(default_model):
 # q_cur, k_cur = ggml_mul_mat_aux(..., self_k_rot); v_cur = ggml_mul_mat_aux(..., self_v_rot); the output
 # rotated back with self_v_rot).
 
-from kvquant.codec_engine import attn_rotation_size, hadamard  # noqa: E402
+from kvquant.codecs.engine import attn_rotation_size, hadamard  # noqa: E402
 
 
 def _ggml_gen_hadamard(n: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""vLLM's cache dtypes (kvquant.codec_engine_vllm): no vLLM runs here (its kernels need a GPU build), so each
+"""vLLM's cache dtypes (kvquant.codecs.engine_vllm): no vLLM runs here (its kernels need a GPU build), so each
 format is checked on hand-derived vectors, each naming the vLLM source line it follows."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from kvquant.codec import codec_for
-from kvquant.codec_engine_vllm import VLLM_FORMATS, vllm_dequantize, vllm_quantize
-from kvquant.packing import unpack
+from kvquant.codecs.base import codec_for
+from kvquant.codecs.engine_vllm import VLLM_FORMATS, vllm_dequantize, vllm_quantize
+from kvquant.codecs.packing import unpack
 from kvquant.scheme import ENGINE_REFUSED, SchemeError, parse_scheme, parse_spec
 
 NAN = float("nan")
@@ -192,9 +192,9 @@ def test_cache_serves_a_vllm_scheme(tiny_model):
 # get_boundary_skip_layers), .../turboquant/centroids.py (solve_lloyd_max), .../turboquant/quantizer.py
 # (generate_wht_signs), vllm/v1/attention/backends/turboquant_attn.py (_build_hadamard, _ensure_on_device),
 # vllm/v1/attention/ops/triton_turboquant_store.py (_tq_fused_store_mse, _store_quantized_value) and
-# triton_turboquant_decode.py (_tq_full_dequant_kv); commits in kvquant.codec_engine_vllm.
+# triton_turboquant_decode.py (_tq_full_dequant_kv); commits in kvquant.codecs.engine_vllm.
 
-from kvquant.codec_engine_vllm import (  # noqa: E402
+from kvquant.codecs.engine_vllm import (  # noqa: E402
     TURBOQUANT_PRESETS,
     boundary_skip_layers,
     tq_centroids,

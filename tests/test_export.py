@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kvquant.codec import codec_for
+from kvquant.codecs.base import codec_for
 from kvquant.export import (
     FP8_MAX,
     KVScales,

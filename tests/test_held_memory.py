@@ -13,7 +13,7 @@ import torch
 from tiny_models import make_tiny_config
 
 import kvquant
-from kvquant.codec import Field
+from kvquant.codecs.base import Field
 from kvquant.store import GROWTH_DIVISOR, PagePool
 
 SCHEMES = ["int4-g64", "int8", "kivi-2", "k=int4-channel-g64-rot,v=int4-g64-rot,sink=4,window=128", "fp16"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvquant import native
-from kvquant.codec import Codec, PageRead, codec_for
+from kvquant.codecs.base import Codec, PageRead, codec_for
 from kvquant.store import Region
 
 # fp32, |scores| up to ~40 here: the native sum runs channel by channel, the twin by matmul, and both

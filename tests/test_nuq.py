@@ -22,10 +22,10 @@ from kvquant.calibration import (
     metadata,
     save_calibration,
 )
-from kvquant.codec import CodebookCodec, codec_for
+from kvquant.codecs.base import CodebookCodec, codec_for
+from kvquant.codecs.packing import pack, packed_size, unpack
+from kvquant.codecs.quantize import fake_quantize, sqnr_db
 from kvquant.memory import KVShape
-from kvquant.packing import pack, packed_size, unpack
-from kvquant.quantize import fake_quantize, sqnr_db
 from kvquant.scheme import QuantSpec, SchemeError, parse_scheme, parse_spec
 
 # ---------------------------------------------------------------------------------------- 3-bit packing

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvquant.packing import pack, packed_size, unpack
+from kvquant.codecs.packing import pack, packed_size, unpack
 
 BITS = [2, 4, 8]
 SHAPES = [(1,), (3,), (7,), (65,), (2, 1), (3, 5, 7), (2, 3, 65), (1, 1, 1, 129), (4, 0), (0, 3), (2, 2, 130)]

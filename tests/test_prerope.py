@@ -11,7 +11,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply
 
 import kvquant
 from kvquant import memory
-from kvquant.codec import PreRopeCodec, codec_for
+from kvquant.codecs.base import PreRopeCodec, codec_for
 from kvquant.rope import Rope, RopeError
 from kvquant.scheme import SchemeError
 

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvquant.codec import torch_dtype
-from kvquant.packing import unpack
-from kvquant.quantize import dequantize, fake_quantize, quantize, scale_shape, sqnr_db
+from kvquant.codecs.base import torch_dtype
+from kvquant.codecs.packing import unpack
+from kvquant.codecs.quantize import dequantize, fake_quantize, quantize, scale_shape, sqnr_db
 from kvquant.scheme import Granularity, QuantSpec, parse_spec
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

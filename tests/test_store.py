@@ -8,7 +8,7 @@ import torch
 from tiny_models import make_tiny_model
 
 import kvquant
-from kvquant.codec import Field
+from kvquant.codecs.base import Field
 from kvquant.store import BlockTable, PagePool, StoreError
 
 FP = Field(heads=2, tokens=1, cols=8, dtype=torch.float32)

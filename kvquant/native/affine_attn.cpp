@@ -6,7 +6,7 @@
 // so a score is  q . x = sum_j A[t, j] (q_j . c_j) + Z[t, j] sum(q_j)  and a weighted sum of values is
 //     sum_t p_t x_t = sum_j (sum_t p_t A[t, j] c_t,j) + sum_t p_t Z[t, j].
 // Their pure-PyTorch twins are AffineCodec.score_pages / value_pages with the native op off
-// (kvquant/codec.py); tests/test_native.py compares them.
+// (kvquant/codecs/base.py); tests/test_native.py compares them.
 //
 // Layouts (all contiguous):
 //   q       (B, H, M, D) fp32            queries (the M query rows that share KV head h)

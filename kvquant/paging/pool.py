@@ -2,7 +2,7 @@
 growth in bounded steps) and `Region` (tokens of a block table as attention reads them).
 
 A pool holds one page format for one decoder layer: named fields, each a tensor (capacity, heads_f,
-block_size // tokens_f, cols_f) as a codec declares them (`kvquant.codec.Field`). Pages are integer ids with
+block_size // tokens_f, cols_f) as a codec declares them (`codecs.base.Field`). Pages are integer ids with
 a reference count; a page whose count drops to zero goes back to the free list (the lowest id is handed out
 first). Page tensors are allocated uninitialized (never zero-filled, so a page not written is not resident
 on the CPU), and a pool that runs out grows to what a write needs plus 1/32 of that (`GROWTH_DIVISOR`),
@@ -18,7 +18,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..codec import Field, gather_region  # the reference path's read of a region (one copy of that code)
+from ..codecs.base import (  # the reference path's read of a region (one copy of that code)
+    Field,
+    gather_region,
+)
 
 if TYPE_CHECKING:
     from .budget import PageBudget

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..codec import Codec
+from ..codecs.base import Codec
 from ..memory import KVShape
 from ..plan import LayerPlan
 from ..scheme import parse_scheme

@@ -18,7 +18,7 @@ SCHEMES = [
     "int4-g32",
     "k=int4-channel-g16,v=int8,sink=2,window=4",
     "fp16,sink=2,window=4",
-    "int4-g64-rot",  # rotated: the kernels work in the rotated frame (kvquant.codec_transforms.kernel_frame)
+    "int4-g64-rot",  # rotated: the kernels work in the rotated frame (kvquant.codecs.transforms.kernel_frame)
     "k=int4-channel-g16-rot,v=int4-g32-rot5,sink=2,window=4",
 ]
 

@@ -1,4 +1,4 @@
-"""Codebook bodies (`nuq2/3/4`, kvquant.codec.CodebookCodec) read in place by decode_attention: codes exact
+"""Codebook bodies (`nuq2/3/4`, codecs.base.CodebookCodec) read in place by decode_attention: codes exact
 (2, 3 dense 8-in-3-bytes, 4 bits; words and bytes), the compiled path's PTX run through a model of its
 instructions against the generic path, attention within the float bound |out - ref32| <= 2 |ref - ref32| +
 atol (GQA, MQA, D 64/128/256, shuffled and shared pages, sink + body + window, masks, -rot), a wrong lookup
@@ -21,8 +21,8 @@ from kvquant.kernels.layouts import decode_frame, describe_unserved, device_leve
 from kvquant.kernels.registry import KernelRegistry, SelfCheck
 from kvquant.kernels.testing import check_decode, demo_levels, make_paged_layer, random_query
 
-from kvquant.codec import codec_for
-from kvquant.packing import pack
+from kvquant.codecs.base import codec_for
+from kvquant.codecs.packing import pack
 
 # ------------------------------------------------------------------------------- codes, bit for bit
 
@@ -52,7 +52,7 @@ def _codes_kernel(c_ptr, lv_ptr, out_ptr, BT: tl.constexpr, D: tl.constexpr, BIT
 @pytest.mark.parametrize("bits,d,words", [(4, 64, True), (3, 64, True), (2, 64, True), (3, 16, False),
                                           (4, 16, False), (2, 32, False)])
 def test_codes_unpack_bit_exact(bits, d, words, device):
-    """With levels = the code values (exact in fp16), the kernel's lookup returns kvquant.packing's codes
+    """With levels = the code values (exact in fp16), the kernel's lookup returns codecs.packing's codes
     exactly, in channel order: the word path (three words per 32 codes at 3 bits) and the byte path."""
     g = torch.Generator().manual_seed(bits * 100 + d)
     codes = torch.randint(0, 1 << bits, (16, d), generator=g, dtype=torch.uint8)

@@ -95,7 +95,7 @@ def test_a_variant_that_cannot_be_built_is_refused_once_per_registry(monkeypatch
 def test_quantize_pack_into_entry_is_the_reference_bit_for_bit(device):
     from kvquant.kernels.quantize_pack import quantize_pack_into_ref
 
-    from kvquant.codec import codec_for
+    from kvquant.codecs.base import codec_for
 
     codec = codec_for("int4-channel-g4", 2, 64, torch.float32)
     x = torch.randn(1, 2, 8, 64)

@@ -1,4 +1,4 @@
-"""FP8 bodies (kvquant.codec_fp8: E4M3 / E5M2 codes, per-token / per-head / per-group / channel-wise scale or
+"""FP8 bodies (kvquant.codecs.fp8: E4M3 / E5M2 codes, per-token / per-head / per-group / channel-wise scale or
 the `-tensor` unit scale) read in place by decode_attention, against its twin within the float bound:
 |out - ref32| <= 2 |ref_same_dtype - ref32| + atol; the float8 -> fp16 conversion exact for all 256 codes;
 appends through the kernel entry bit for bit the codec's; `generate` end to end equal to the torch backend."""
@@ -15,7 +15,7 @@ from kvquant.kernels import dispatch
 from kvquant.kernels.decode_attention import _fp8_w8, _interpreting, decode_attention, decode_attention_ref
 from kvquant.kernels.testing import DECODE_ATOL, check_decode, make_paged_layer, random_query
 
-from kvquant.codec import codec_for
+from kvquant.codecs.base import codec_for
 
 ATOL = DECODE_ATOL
 query = random_query

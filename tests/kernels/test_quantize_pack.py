@@ -1,4 +1,4 @@
-"""quantize_pack (Triton) == kvquant.quantize.quantize, bit for bit: codes, scale and zero."""
+"""quantize_pack (Triton) == kvquant.codecs.quantize.quantize, bit for bit: codes, scale and zero."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from kvquant.kernels.quantize_pack import kernel_supports, quantize_pack, quantize_pack_ref
 
-from kvquant.quantize import dequantize, sqnr_db
+from kvquant.codecs.quantize import dequantize, sqnr_db
 from kvquant.scheme import parse_spec
 
 
@@ -151,7 +151,7 @@ def test_quantize_pack_into_writes_what_the_ref_writes(spec_text, device):
     not in order, at a start that is not page-aligned (but a multiple of the token group)."""
     from kvquant.kernels.quantize_pack import quantize_pack_into, quantize_pack_into_ref
 
-    from kvquant.codec import codec_for
+    from kvquant.codecs.base import codec_for
 
     codec = codec_for(spec_text, 3, 64, torch.float16)
     group = codec.token_group
@@ -171,7 +171,7 @@ def test_quantize_pack_into_writes_what_the_ref_writes(spec_text, device):
 def test_quantize_pack_into_refuses_partial_groups(device):
     from kvquant.kernels.quantize_pack import quantize_pack_into
 
-    from kvquant.codec import codec_for
+    from kvquant.codecs.base import codec_for
 
     codec = codec_for("int4-channel-g8", 2, 64, torch.float16)
     pools = _pools(codec, 4, 16, 0)

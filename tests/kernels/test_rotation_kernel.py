@@ -11,8 +11,8 @@ from kvquant.kernels.decode_attention import decode_attention_ref
 from kvquant.kernels.quantize_pack import quantize_pack_into_ref
 from kvquant.kernels.testing import make_paged_layer
 
-from kvquant.codec import codec_for
-from kvquant.codec_transforms import RotationCodec, kernel_frame
+from kvquant.codecs.base import codec_for
+from kvquant.codecs.transforms import RotationCodec, kernel_frame
 
 # (K spec, V spec, block size): both rotated (one seed), K only (channel-wise, the scheme of the issue),
 # V only with its own seed (per-token int8: scales folded), a dense inner codec with K and V seeds apart

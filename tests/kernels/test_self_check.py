@@ -15,7 +15,7 @@ from kvquant.kernels import quantize_pack as qp
 from kvquant.kernels.registry import KernelRegistry, SelfCheck
 from kvquant.kernels.testing import make_paged_layer
 
-from kvquant.codec import codec_for
+from kvquant.codecs.base import codec_for
 
 
 class Perturbed:

@@ -78,8 +78,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import Codec, Field
-from .scheme import ENGINE_FORMATS, QuantSpec, SchemeError
+from ..scheme import ENGINE_FORMATS, QuantSpec, SchemeError
+from .base import Codec, Field
 
 __all__ = [
     "BLOCK_TYPES",

@@ -6,7 +6,7 @@ their FP8 KV caches.
     codes    H             1          D          uint8 (the float8 bit pattern; viewed back as float8)
     scale    H or 1 (*)    t_e        D / c_e    the scale dtype (absent for -tensor)
 
-Scale options are the block extents of the integer codecs (`kvquant.codec.block_extent`): per token over all
+Scale options are the block extents of the integer codecs (`codecs.base.block_extent`): per token over all
 heads (the default, as `int8`), `-head`, `-gN`, `-channel-gN`; the scale is the block's absmax divided by
 the format's largest finite value (448 for E4M3, 57344 for E5M2), rounded up in the scale dtype so that no
 element overflows. `-tensor` is a fixed unit scale with nothing stored: vLLM's FP8 cache when no
@@ -15,7 +15,7 @@ calibrated k_scale / v_scale is given. A per-tensor scale measured on the data i
 saturate to +-max (never Inf or NaN).
 
 Rounding is torch's float -> float8 cast (round to nearest even). Non-finite input poisons its block as in
-`kvquant.quantize`: NaN scale, so the block decodes to NaN (with -tensor, NaN codes per element).
+`kvquant.codecs.quantize`: NaN scale, so the block decodes to NaN (with -tensor, NaN codes per element).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import Codec, Field, KernelLayout, block_extent, torch_dtype
-from .scheme import QuantSpec
+from ..scheme import QuantSpec
+from .base import Codec, Field, KernelLayout, block_extent, torch_dtype
 
 __all__ = ["FP8Codec", "FP8KernelLayout", "FP8_DTYPES", "fp8_max"]
 

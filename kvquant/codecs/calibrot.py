@@ -41,9 +41,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import AffineCodec, CodebookCodec, Codec, block_extent, codec_for
-from .codec_transforms import _Wrapper, rotate
-from .scheme import CALIBRATE_COMMAND, QuantSpec, SchemeError
+from ..scheme import CALIBRATE_COMMAND, QuantSpec, SchemeError
+from .base import AffineCodec, CodebookCodec, Codec, block_extent, codec_for
+from .transforms import _Wrapper, rotate
 
 __all__ = [
     "CalibRotationCodec",
@@ -67,7 +67,7 @@ def inner_spec(spec: QuantSpec) -> QuantSpec:
 
 def hadamard_matrix(head_dim: int, seed: int = 0) -> torch.Tensor:
     """(D, D) float32 M0 with x M0 = `-rot{seed}`'s R x: the calibrated rotation's starting point."""
-    from .codec_transforms import hadamard_signs
+    from .transforms import hadamard_signs
 
     return rotate(torch.eye(head_dim), hadamard_signs(seed, head_dim))
 
@@ -191,7 +191,7 @@ class Captured:
 
 
 def _capture_attention(module, query, key, value, attention_mask, *args, **kwargs):
-    from .attention import kvquant_attention
+    from ..attention import kvquant_attention
 
     store = getattr(module, "_kvquant_capture", None)
     if store is not None:
@@ -358,7 +358,7 @@ def _crot_of(codec: Codec) -> CalibRotationCodec:
 
 def _fit_levels(caps, spec, role, matrix, rope, *, seed: int, max_samples: int) -> torch.Tensor:
     """A nuqN-crot codebook fitted on the values its codebook sees once rotated by matrix."""
-    from .calibration import fit_codebook
+    from ..calibration import fit_codebook
 
     h, d = caps[0].key.shape[1], caps[0].key.shape[3]
     codec = codec_for(spec, h, d, torch.float32, rope=rope if spec.prerope else None)
@@ -384,12 +384,12 @@ def fit_rotations(
     nuqN-crot spec its codebook (fitted, the rotation fitted against it, then refitted). report, when given,
     receives one dict per (layer, role, spec): calibration loss at the Hadamard start and at the kept M, and
     on the held_out documents the attention-output error of `-rot` (seed 0) and of `-crot`."""
-    from .calibration import Entry
+    from ..calibration import Entry
 
     rope = None
     specs = sorted({(e.layer, e.role, e.spec) for e in entries if e.spec.rotate_calib}, key=str)
     if any(s.prerope for _, _, s in specs):
-        from .rope import Rope
+        from ..rope import Rope
 
         rope = Rope.from_config(model.config)
     caps = capture(model, documents, queries=queries, seed=seed)

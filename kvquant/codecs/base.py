@@ -5,16 +5,16 @@ A codec is bound to a spec and a layer's shape (H_kv heads, head_dim D, K/V dtyp
 
     codec        field    heads_f      tokens_f   cols_f        dtype
     dense (fp16) values   H            1          D             the K/V dtype
-    affine INT   codes    H            1          D * bits / 8  uint8 (packed, kvquant.packing)
+    affine INT   codes    H            1          D * bits / 8  uint8 (packed, kvquant.codecs.packing)
                  scale    H or 1 (*)   t_e        D / c_e       the scale dtype
                  zero     same as scale (asymmetric specs only)
     codebook NUQ codes    H            1          D * bits / 8  uint8 (3 bits: 8 codes per 3 bytes)
                  scale    as affine (half-range, or absmax for -sym); zero: the block's mid-range (asymmetric)
     pre-RoPE     the fields of the codec it wraps (keys stored before RoPE; `encode_at` / `decode_at`)
-    FP8          codes    H            1          D             uint8 (float8 bits; kvquant.codec_fp8)
+    FP8          codes    H            1          D             uint8 (float8 bits; kvquant.codecs.fp8)
                  scale    as affine (absent for -tensor: a fixed unit scale)
     -center/-rot/-out     the wrapped codec's fields, plus offset (H, N, D) / nothing / out_values and
-                          out_index (H, 1, k) (kvquant.codec_transforms)
+                          out_index (H, 1, k) (kvquant.codecs.transforms)
 
 (*) a scale shared by all heads of a token (per-token granularity) is stored once: heads_f = 1.
 
@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..scheme import CALIBRATE_COMMAND, Granularity, QuantSpec, SchemeError, parse_spec
 from .packing import pack, packed_size, unpack, unpack_into
-from .scheme import CALIBRATE_COMMAND, Granularity, QuantSpec, SchemeError, parse_spec
 
 __all__ = [
     "AffineCodec",
@@ -250,7 +250,7 @@ class Codec(ABC):
         return None
 
     def read_frame(self, device: torch.device):
-        """A `kvquant.codec_transforms.KernelFrame` (inner codec, rotation R) when this codec stores R x and
+        """A `kvquant.codecs.transforms.KernelFrame` (inner codec, rotation R) when this codec stores R x and
         attention may score in the rotated frame ((R q) . (R k) = q . k, and sum p (R v) rotated back once),
         skipping R^T on every decoded token; None: `decode_at` gives x itself."""
         return None
@@ -355,7 +355,7 @@ def _scaled_code_fields(codec) -> dict[str, Field]:
 
 
 class AffineCodec(Codec):
-    """Uniform affine INT8/INT4/INT2 at any granularity: `kvquant.quantize` arithmetic, bit for bit."""
+    """Uniform affine INT8/INT4/INT2 at any granularity: `kvquant.codecs.quantize` arithmetic, bit for bit."""
 
     def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
         super().__init__(spec, heads, head_dim, dtype)
@@ -417,7 +417,7 @@ class AffineCodec(Codec):
             return None
         if x.requires_grad and torch.is_grad_enabled():
             return None
-        from . import native
+        from .. import native
 
         return native.ops()
 
@@ -693,11 +693,11 @@ _FAMILIES: dict[str, type[Codec]] = {"dense": DenseCodec, "affine": AffineCodec,
 def _families() -> dict[str, type[Codec]]:
     """Every codec family by name: this module's, and the research codecs in their own modules (they import
     this one, so they are imported here, on first use, and either module may be imported first)."""
-    from .codec_engine import EngineCodec
-    from .codec_engine_vllm import VLLMCodec
-    from .codec_fp8 import FP8Codec
-    from .codec_transforms import CenterCodec, OutlierCodec, RotationCodec
-    from .codec_turbo import TurboCodec
+    from .engine import EngineCodec
+    from .engine_vllm import VLLMCodec
+    from .fp8 import FP8Codec
+    from .transforms import CenterCodec, OutlierCodec, RotationCodec
+    from .turbo import TurboCodec
 
     return {**_FAMILIES, "fp8": FP8Codec, "center": CenterCodec, "rotate": RotationCodec,
             "outliers": OutlierCodec, "engine": EngineCodec, "vllm": VLLMCodec, "turbo": TurboCodec}

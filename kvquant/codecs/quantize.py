@@ -1,6 +1,6 @@
 """quantize(x, spec) -> QTensor and dequantize(q), for K/V tensors of shape (B, H_kv, T, D).
 
-Every granularity is lowered to one form by its `kvquant.codec.BlockExtent`: a view `blocks` of shape
+Every granularity is lowered to one form by its `kvquant.codecs.base.BlockExtent`: a view `blocks` of shape
 (*scale_shape, G) whose last dimension holds the G elements that share one scale (and zero). Statistics
 reduce over that last dimension; dequantize broadcasts the scale back with the same extent.
 
@@ -20,7 +20,7 @@ clipped: every element is within half a step of its value.
     symmetric:  scale = max|x| (absmax), code = floor(x / scale * qmax + 0.5) + 2^(b-1),
                 x_hat = (code - 2^(b-1)) / qmax * scale, with qmax = 2^(b-1) - 1
 A constant (or all-zero) block dequantizes exactly: scale 0 gives code 0 (asymmetric, x_hat = zero)
-or the absmax itself (symmetric). Codes are packed along D (`kvquant.packing`).
+or the absmax itself (symmetric). Codes are packed along D (`kvquant.codecs.packing`).
 
 Non-finite input: a block holding NaN or +-Inf, or whose scale or zero overflows the scale dtype
 (|x| > 65504 with fp16 scales), gets a NaN scale and zero codes, so the whole block dequantizes to NaN.
@@ -33,9 +33,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import block_extent, torch_dtype
+from ..scheme import QuantSpec, parse_spec
+from .base import block_extent, torch_dtype
 from .packing import pack, unpack
-from .scheme import QuantSpec, parse_spec
 
 __all__ = ["QTensor", "quantize", "dequantize", "fake_quantize", "scale_shape", "sqnr_db"]
 
@@ -61,7 +61,7 @@ class QTensor:
         return self.codes.nbytes + self.scale.nbytes + zero
 
     def fields(self) -> dict[str, torch.Tensor]:
-        """The stored fields by name, as `kvquant.codec.AffineCodec` lays them out."""
+        """The stored fields by name, as `kvquant.codecs.base.AffineCodec` lays them out."""
         out = {"codes": self.codes, "scale": self.scale}
         if self.zero is not None:
             out["zero"] = self.zero
@@ -82,7 +82,7 @@ def _check(x: torch.Tensor, spec: QuantSpec) -> None:
     if spec.fp8 is not None or spec.transforms:
         raise ValueError(
             f"quantize() is the uniform affine arithmetic; {spec} is stored by its codec: "
-            "kvquant.codec.codec_for(spec, H_kv, D, dtype).encode(x), or fake_quantize(x, spec)"
+            "kvquant.codecs.base.codec_for(spec, H_kv, D, dtype).encode(x), or fake_quantize(x, spec)"
         )
     if x.dim() != 4:
         raise ValueError(f"expected K/V of shape (B, H_kv, T, D), got {tuple(x.shape)}")
@@ -157,7 +157,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec | str) -> QTensor:
 def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """QTensor -> tensor of q.shape, in `dtype` (default: the dtype that was quantized).
 
-    Codes are unpacked with shifts and masks on the packed bytes (`kvquant.packing.unpack`, no index
+    Codes are unpacked with shifts and masks on the packed bytes (`kvquant.codecs.packing.unpack`, no index
     tensors), then x_hat = code * scale + zero, or (code - 2^(b-1)) / qmax * scale, in fp32."""
     spec = q.spec
     # one fresh buffer, then in place: each fresh (B, H, T, D) temporary costs its page faults on the CPU
@@ -175,7 +175,7 @@ def dequantize(q: QTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
 def fake_quantize(x: torch.Tensor, spec: QuantSpec | str) -> torch.Tensor:
     """Encode then decode x (B, H, T, D) with the spec's codec; an incomplete last token group
     (channel-wise specs) stays as it is, as the cache keeps it."""
-    from .codec import codec_for
+    from .base import codec_for
 
     spec = parse_spec(spec)
     if not spec.is_quantized:

@@ -23,11 +23,11 @@ Per (token, head) vector x of D channels, for each channel group g (all of D, or
     and block of N tokens is stored (1/N bit per value), so every page is self-contained and no calibration
     is needed; up to N - 1 tokens wait in the FP window until their block is complete (as -channel-gN keys).
 
-Fields, laid out (B, heads_f, T // tokens_f, cols_f) as every codec's (`kvquant.codec`):
+Fields, laid out (B, heads_f, T // tokens_f, cols_f) as every codec's (`kvquant.codecs.base`):
 
     field   heads_f  tokens_f  cols_f                          dtype
     codes   H        1         sum_g ceil(d_g * b_g / 8)       uint8: each group's codes packed in turn
-                                                               (kvquant.packing for 2/3/4 bits; 1 bit:
+                                                               (kvquant.codecs.packing for 2/3/4 bits; 1 bit:
                                                                8 codes per byte, LSB first)
     norm    H        1         groups (1 or 2)                 fp16
     qjl     H        1         D / 8                           uint8 (-qjl): sign bits, LSB first
@@ -51,10 +51,10 @@ from collections.abc import Mapping
 import numpy as np
 import torch
 
-from .codec import Codec, Field
-from .codec_transforms import hadamard_signs, rotate, unrotate
+from ..scheme import QuantSpec
+from .base import Codec, Field
 from .packing import pack, packed_size, unpack
-from .scheme import QuantSpec
+from .transforms import hadamard_signs, rotate, unrotate
 
 __all__ = ["TurboCodec", "lloyd_max_levels", "turbo_density"]
 
@@ -108,7 +108,7 @@ def lloyd_max_levels(d: int, bits: int, tol: float = 1e-11, max_iter: int = 100_
 
 
 def _pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """(..., n) uint8 codes -> (..., ceil(n * bits / 8)) bytes: kvquant.packing, or 8 one-bit codes a byte."""
+    """(..., n) uint8 codes -> (..., ceil(n * bits / 8)) bytes: codecs.packing, or 8 one-bit codes a byte."""
     if bits != 1:
         return pack(codes.contiguous(), bits)
     n = codes.shape[-1]

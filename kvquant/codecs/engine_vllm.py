@@ -90,9 +90,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import Codec, Field
+from ..scheme import QuantSpec, SchemeError, parse_scheme
+from .base import Codec, Field
 from .packing import pack, unpack
-from .scheme import QuantSpec, SchemeError, parse_scheme
 
 __all__ = [
     "TURBOQUANT_PRESETS",

@@ -48,8 +48,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .codec import Codec, Field, KernelLayout, codec_for
-from .scheme import QuantSpec, outlier_count, rotation_block
+from ..scheme import QuantSpec, outlier_count, rotation_block
+from .base import Codec, Field, KernelLayout, codec_for
 
 __all__ = [
     "CenterCodec",
@@ -140,8 +140,8 @@ class RotationCodec(_Wrapper):
     option = "rotate"
 
     def __new__(cls, spec: QuantSpec, *args, **kwargs):
-        if spec.rotate_calib:  # `-crot`: kvquant.codec_calibrot's codec (not a RotationCodec)
-            from .codec_calibrot import CalibRotationCodec
+        if spec.rotate_calib:  # `-crot`: kvquant.codecs.calibrot's codec (not a RotationCodec)
+            from .calibrot import CalibRotationCodec
 
             return CalibRotationCodec(spec, *args, **kwargs)
         return super().__new__(cls)
