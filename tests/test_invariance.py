@@ -1,13 +1,15 @@
 """Invariance goldens (issue 19): the numbers the code computed before the refactor, bit for bit.
 
-tests/goldens/*.json were recorded on commit bacfcec by tests/goldens/record.py (its docstring says how to
-re-record; do that only for an intended change of numbers, and name it in the commit). Each test recomputes
+The goldens are what record.REFERENCE_COMMIT computes, per kind of machine (tests/goldens/<machine>/, or
+recorded from that commit on first use on a new kind: bit-identical holds on one CPU kind only; see
+tests/goldens/record.py, which also says how to re-record for an intended change). Each test recomputes
 one artifact with the same function and compares: hashes of the fp32 bytes of every layer's dequantized K/V
 and of every generate step's logits, and the measured columns of the quick runs' summary.csv (wall-clock
 columns excluded). A mismatch names the scheme and layer and shows how far apart the float statistics are."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import warnings
@@ -24,8 +26,10 @@ record = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(record)
 
 
+@functools.cache
 def golden(part: str):
-    return json.loads((GOLDENS / f"{part}.json").read_text())
+    """This machine's golden of `part` (record.goldens_dir: bit-identical holds on one kind of CPU)."""
+    return json.loads((record.goldens_dir() / f"{part}.json").read_text())
 
 
 @pytest.fixture(scope="module")

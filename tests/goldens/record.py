@@ -7,7 +7,7 @@ Re-record (ONLY when a change of numbers is intended, and say so in the commit m
     OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 .venv/bin/python tests/goldens/record.py          # everything
     OMP_NUM_THREADS=1 MKL_NUM_THREADS=1 .venv/bin/python tests/goldens/record.py kv logits  # some parts
 
-Parts (one JSON file each, in this folder):
+Parts (one JSON file each, in this folder's `machine()` subfolder):
 
     kv       per-layer dequantized K/V that the real default model (SmolLM2-135M, fp32, CPU, one thread)
              leaves in `QuantizedCache` after one forward of a 64-token prompt, for SCHEMES: sha256 of the
@@ -21,8 +21,16 @@ Parts (one JSON file each, in this folder):
     serve    `experiments/serve.py --quick` with 3 requests, policies lru and sliding:48, no fit probe
              (SERVE): summary.csv's rows, minus wall-clock and resident-memory columns (VOLATILE)
 
-The goldens were first recorded on commit bacfcec (before the issue-19 refactor) from a pristine `git archive`
-of it, so that edits in flight in the working tree could not leak in.
+Bit-identical is a property of one machine: the same code gives other float sums on another CPU (torch picks
+its matrix-product kernels by instruction set and vendor: AVX2 on an AMD EPYC and AVX-512 on a Xeon round
+differently). So each set of goldens is what REFERENCE_COMMIT computes on one kind of machine (`machine()`,
+e.g. `AVX2-AuthenticAMD`), in a folder of that name here. On a kind of machine with no folder, the test
+records the reference commit itself, once, from a pristine `git archive` (its own native op built; a few
+minutes), into the user cache folder, and compares against that. An intended change of numbers moves
+REFERENCE_COMMIT to the commit that makes it (say so in its message) and re-records the folders.
+
+History: first recorded on bacfcec (before the issue-19 refactor) from a pristine archive; logits and passkey
+re-recorded on 0ea7321 for issue 20's reassociated decode sums; by machine since 7151d10's successor.
 """
 
 from __future__ import annotations
@@ -39,6 +47,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 PY = sys.executable
+# the code whose numbers the goldens are: the last landed commit before a change of numbers was intended
+REFERENCE_COMMIT = "0ea7321"
 
 PROMPT = (
     "The history of the Roman Empire begins with the founding of Rome, a small settlement on the Tiber."
@@ -194,16 +204,80 @@ def compute(part: str, model_ids=None):
     return {"quick": record_quick, "passkey": record_passkey, "serve": record_serve}[part]()
 
 
+def machine() -> str:
+    """The kind of machine a set of goldens holds for: torch's CPU kernel level and the CPU vendor."""
+    import platform
+
+    import torch
+
+    vendor = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            ids = [line.split(":", 1)[1].strip() for line in f if line.startswith("vendor_id")]
+        vendor = ids[0] if ids else vendor
+    except OSError:
+        pass
+    return f"{torch.backends.cpu.get_cpu_capability()}-{vendor}".replace(" ", "_")
+
+
+def goldens_dir() -> Path:
+    """This machine's goldens: the committed folder for its kind, else the reference commit's numbers
+    recorded here once (`record_reference`)."""
+    committed = HERE / machine()
+    if all((committed / f"{p}.json").is_file() for p in PARTS):
+        return committed
+    from kvquant.models import cache_root
+
+    cached = cache_root() / "goldens" / f"{REFERENCE_COMMIT}-{machine()}"
+    if not all((cached / f"{p}.json").is_file() for p in PARTS):
+        record_reference(cached)
+    return cached
+
+
+def record_reference(dest: Path) -> None:
+    """Record REFERENCE_COMMIT's goldens on this machine into dest: a pristine `git archive` of it, its eval/
+    and kernels/ in place (as its editable install maps them), its native op built, its record.py run."""
+    import shutil
+
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", REFERENCE_COMMIT], capture_output=True)
+    if archive.returncode:
+        raise RuntimeError(
+            f"no goldens for this kind of machine ({machine()}) and the reference commit {REFERENCE_COMMIT} "
+            f"cannot be read from git ({archive.stderr.decode()[-300:].strip()}): run the tests in a clone "
+            f"with its history, or record them: git archive {REFERENCE_COMMIT} | tar -x -C TREE, then "
+            "PYTHONPATH=TREE python TREE/tests/goldens/record.py"
+        )
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    with tempfile.TemporaryDirectory(prefix="kvquant-goldens-") as tmp:
+        tree = Path(tmp)
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+        for sub in ("eval", "kernels"):
+            (tree / "kvquant" / sub).symlink_to(Path("..") / sub)
+        env["PYTHONPATH"] = str(tree)
+        print(f"recording {REFERENCE_COMMIT}'s goldens for {machine()} (once; minutes)", file=sys.stderr)
+        for args in (["-m", "kvquant.native", "build"], ["tests/goldens/record.py"]):
+            p = subprocess.run([PY, *args], cwd=tree, env=env, capture_output=True, text=True, timeout=3600)
+            if p.returncode and args[0] != "-m":  # without a compiler the native op is absent in both trees
+                raise RuntimeError(f"recording {REFERENCE_COMMIT}'s goldens failed:\n{p.stderr[-3000:]}")
+        dest.mkdir(parents=True, exist_ok=True)
+        recorded = tree / "tests" / "goldens"  # by machine in later commits, flat in 0ea7321
+        recorded = recorded / machine() if (recorded / machine()).is_dir() else recorded
+        for part in PARTS:
+            shutil.copy(recorded / f"{part}.json", dest / f"{part}.json")
+
+
 def main(argv: list[str]) -> None:
     parts = argv or list(PARTS)
     bad = [p for p in parts if p not in PARTS]
     if bad:
         raise SystemExit(f"unknown part(s) {bad}; choose from {PARTS}")
     model_ids = load() if {"kv", "logits"} & set(parts) else None
+    out = HERE / machine()
+    out.mkdir(exist_ok=True)
     for part in parts:
         data = compute(part, model_ids)
-        (HERE / f"{part}.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-        print(f"recorded {HERE / (part + '.json')}")
+        (out / f"{part}.json").write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+        print(f"recorded {out / (part + '.json')}")
 
 
 if __name__ == "__main__":
