@@ -1,10 +1,11 @@
 """A store's byte budget, enforced where pages are allocated (vLLM's `BlockPool` evicts as it allocates).
 
 Every pool of a budgeted `KVStore` asks `PageBudget.admit` before it hands out a page. Over the budget, the
-budget evicts: it asks its policy (`kvquant.paging.evict`) for the next unit of the prefix index to drop,
-drops it (the index's references go, so pages only the index held are freed), and repeats until the page
-fits. When the policy finds nothing evictable, `BudgetError` names the budget and what holds it. Nothing
-calls back up into serving: the index and the policy live beside the pools, in the store.
+budget evicts: it takes the next unit of the prefix index to drop from its policy's order
+(`kvquant.paging.evict`: the evictable units, kept in order as the index changes, so a victim costs
+O(log n), never a scan), drops it (the index's references go, so pages only the index held are freed), and
+repeats until the page fits. When nothing is evictable, `BudgetError` names the budget and what holds it.
+Nothing calls back up into serving: the index, the order and the policy live beside the pools, in the store.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .evict import EvictionPolicy
+    from .evict import EvictionOrder, EvictionPolicy
     from .index import PrefixIndex
     from .pool import PagePool
     from .store import KVStore
@@ -42,6 +43,8 @@ class PageBudget:
         self.index = index
         self.evicted_pages = 0  # pages (summed over layers) freed by eviction
         self.peak_bytes = 0  # the most bytes held at any allocation
+        self._order: EvictionOrder | None = None
+        self._ordered = False  # the order is made (and listens to the index) when the budget first evicts
 
     @property
     def evicts(self) -> bool:
@@ -57,9 +60,22 @@ class PageBudget:
                     raise BudgetError(self.message(need))
         self.peak_bytes = max(self.peak_bytes, store.held_bytes() + need)
 
+    @property
+    def order(self) -> EvictionOrder | None:
+        """The policy's eviction order over the index (None: the policy scans, `EvictionPolicy.victim`)."""
+        if not self._ordered and self.evicts:
+            self._order = self.policy.order(self.index)
+            if self._order is not None:
+                self.index.listener = self._order
+            self._ordered = True
+        return self._order
+
     def _evict_one(self) -> bool:
         """Drop the policy's next unit from the index; whether there was one."""
-        handle = self.policy.victim(self.index) if self.evicts else None
+        if not self.evicts:
+            return False
+        order = self.order
+        handle = order.victim() if order is not None else self.policy.victim(self.index)
         if handle is None:
             return False
         before = self.store.pages_in_use()

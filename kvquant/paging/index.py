@@ -10,10 +10,17 @@ Two indexes behind one interface (`PrefixIndex`): `HashChainIndex` (vLLM: a unit
 key, its token ids, the scheme and block size) and `RadixIndex` (SGLang: a radix tree whose edges are runs
 of units). The index holds one reference on every page it lists; the store's budget
 (`kvquant.paging.budget`) drops units in its eviction policy's order when an allocation would exceed it.
+
+That order is kept as the index changes, never found by a scan (vLLM's free-block queue, SGLang's eviction
+heap): the index follows the reference counts of the pages it lists (`PagePool.on_count`), so each unit knows
+how many of its pages someone else also holds (`Unit.pinned`; 0: evicting it frees its pages), and it tells
+its `listener` (an `IndexListener`, the policy's order in `kvquant.paging.evict`) when a unit is used, becomes
+evictable or stops being so, or leaves, and, for the radix tree, when a node changes.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import itertools
 from abc import ABC, abstractmethod
@@ -22,11 +29,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from .pool import PagePool
     from .store import KVStore
 
 __all__ = [
     "INDEXES",
     "HashChainIndex",
+    "IndexListener",
     "PageUnit",
     "PrefixIndex",
     "RadixIndex",
@@ -56,6 +65,11 @@ class Unit:
     pages: PageUnit
     depth: int  # units before it
     last_used: int = 0
+    # kept by the index for its eviction order (not part of the unit's value): how many of its pages someone
+    # besides the index holds (0: evictable), its creation order, and its place (hash key, or radix node)
+    pinned: int = field(default=0, repr=False, compare=False)
+    serial: int = field(default=0, repr=False, compare=False)
+    slot: object = field(default=None, repr=False, compare=False)
 
 
 def unit_tokens(ids: Sequence[int], sink: int, block_size: int) -> list[Tokens]:
@@ -67,6 +81,23 @@ def unit_tokens(ids: Sequence[int], sink: int, block_size: int) -> list[Tokens]:
     for start in range(sink, len(ids) - block_size + 1, block_size):
         units.append(tuple(ids[start : start + block_size]))
     return units
+
+
+class IndexListener:
+    """What an index tells as it changes (an eviction order keeps its candidates from this, without scans).
+    Each is called once the index is consistent again; the default does nothing."""
+
+    def unit_changed(self, unit: Unit) -> None:
+        """The unit is new, was used (`last_used`), or became evictable or stopped being so (`pinned`)."""
+
+    def unit_removed(self, unit: Unit) -> None:
+        """The unit left the index."""
+
+    def node_changed(self, node: _Node) -> None:
+        """Radix tree: the node is new, or its units, children or use changed."""
+
+    def node_removed(self, node: _Node) -> None:
+        """Radix tree: the node left the tree."""
 
 
 class PrefixIndex(ABC):
@@ -82,7 +113,17 @@ class PrefixIndex(ABC):
             )
         self.store = store
         self._clock = itertools.count(1)
+        self._serial = itertools.count()
         self.lookups = self.hit_units = self.looked_units = 0
+        self.listener = IndexListener()  # the eviction order, once the budget first evicts
+        # per pool: page -> the units listing it (one, in practice), to follow its reference count
+        self._listed: dict[PagePool, dict[int, list[Unit]]] = {}
+        for lp in store.layers:
+            for pool in (lp.body, lp.fp):
+                if pool.on_count is not None:
+                    raise ValueError(f"{pool!r} already reports its counts to another prefix index")
+                self._listed[pool] = listed = {}
+                pool.on_count = functools.partial(self._count_changed, listed)
 
     def tick(self) -> int:
         return next(self._clock)
@@ -109,6 +150,10 @@ class PrefixIndex(ABC):
     def leaves(self) -> Iterator[tuple[int, object]]:
         """(last used, handle) of the tail units of every leaf run, for leaf-wise eviction."""
 
+    @abstractmethod
+    def handle(self, unit: Unit) -> object:
+        """The unit's handle for `drop`, in O(1)."""
+
     def clear(self) -> None:
         for unit, handle in list(self.units()):
             if unit.depth == 0:
@@ -132,7 +177,8 @@ class PrefixIndex(ABC):
         return sum((u.pages.body is not None) * body + (u.pages.fp is not None) * fp for u, _ in self.units())
 
     def evictable(self, unit: Unit) -> bool:
-        """Whether dropping the unit frees its pages: the index holds the only reference to each."""
+        """Whether dropping the unit frees its pages: the index holds the only reference to each (read from
+        the counts; `unit.pinned == 0` says the same, kept as they change)."""
         for pool, pages in self._pools(unit):
             if any(pool.refcount(p) != 1 for p in pages):
                 return False
@@ -154,16 +200,53 @@ class PrefixIndex(ABC):
             for lp, page in zip(self.store.layers, pu.fp, strict=True):
                 yield lp.fp, (page,)
 
-    def _ref(self, pages: PageUnit, which: str) -> None:
+    def _version(self, pages: PageUnit, which: str) -> Iterator[tuple[PagePool, int]]:
+        """(pool, page) of each layer's page of one version ("body" or "fp") of a unit."""
         ids = getattr(pages, which)
-        for lp, page in zip(self.store.layers, ids, strict=True):
-            (lp.body if which == "body" else lp.fp).incref(page)
+        if ids is None:
+            return iter(())
+        pools = (lp.body if which == "body" else lp.fp for lp in self.store.layers)
+        return zip(pools, ids, strict=True)
+
+    def _ref(self, pages: PageUnit, which: str) -> None:
+        for pool, page in self._version(pages, which):
+            pool.incref(page)
+
+    def _list(self, unit: Unit, which: str) -> None:
+        """Follow the counts of a version the unit now holds (after the index's incref)."""
+        for pool, page in self._version(unit.pages, which):
+            self._listed[pool].setdefault(page, []).append(unit)
+            unit.pinned += pool.refcount(page) != 1
+
+    def _unlist(self, unit: Unit, which: str) -> None:
+        """Stop following a version the unit gives up (before the index's decref)."""
+        for pool, page in self._version(unit.pages, which):
+            listed = self._listed[pool]
+            owners = [u for u in listed[page] if u is not unit]
+            if owners:
+                listed[page] = owners
+            else:
+                del listed[page]
+            unit.pinned -= pool.refcount(page) != 1
+
+    def _count_changed(self, listed: dict[int, list[Unit]], page: int, before: int, after: int) -> None:
+        """A page's count moved (`PagePool.on_count`): the units listing it are pinned while it is not 1."""
+        if (before == 1) == (after == 1) or page not in listed:
+            return
+        step = 1 if before == 1 else -1
+        for unit in listed[page]:
+            unit.pinned += step
+            if unit.pinned == (1 if step > 0 else 0):  # it stopped, or started, being evictable
+                self.listener.unit_changed(unit)
 
     def _unref(self, unit: Unit) -> None:
+        for which in ("body", "fp"):
+            self._unlist(unit, which)
         for pool, pages in self._pools(unit):
             for p in pages:
                 pool.decref(p)
         unit.pages = PageUnit(unit.pages.sink)
+        self.listener.unit_removed(unit)
 
     def _merge(self, unit: Unit, pages: PageUnit) -> bool:
         """Add the versions `pages` has and `unit` lacks (increfed), and take its FP copy where it holds more
@@ -177,16 +260,20 @@ class PrefixIndex(ABC):
             if mine is None or fuller:
                 self._ref(pages, which)  # before the old version's decref: they may be the same pages
                 if fuller:
+                    self._unlist(unit, which)
                     for lp, page in zip(self.store.layers, mine, strict=True):
                         lp.fp.decref(page)
                 setattr(unit.pages, which, theirs)
                 if which == "fp":
                     unit.pages.fp_from = pages.fp_from
+                self._list(unit, which)
                 added = True
         return added
 
     def _new_unit(self, tokens: Tokens, pages: PageUnit, depth: int, now: int) -> Unit:
+        """A unit holding `pages` (increfed); the caller places it (`slot`) and tells the listener."""
         unit = Unit(tokens, PageUnit(pages.sink, fp_from=pages.fp_from), depth, now)
+        unit.serial = next(self._serial)
         self._merge(unit, pages)
         return unit
 
@@ -225,6 +312,7 @@ class HashChainIndex(PrefixIndex):
             if unit is None or unit.tokens != tokens:
                 break
             unit.last_used = now
+            self.listener.unit_changed(unit)
             out.append(unit)
         self.lookups += 1
         self.hit_units += len(out)
@@ -236,7 +324,8 @@ class HashChainIndex(PrefixIndex):
         for depth, (key, tokens, pu) in enumerate(zip(self._keys(units), units, pages, strict=False)):
             unit = self._units.get(key)
             if unit is None:
-                self._units[key] = self._new_unit(tokens, pu, depth, now)
+                self._units[key] = unit = self._new_unit(tokens, pu, depth, now)
+                unit.slot = key
                 if parent is not None:
                     self._children.setdefault(parent, set()).add(key)
                     self._parent[key] = parent
@@ -244,6 +333,7 @@ class HashChainIndex(PrefixIndex):
             else:
                 added += self._merge(unit, pu)
                 unit.last_used = now
+            self.listener.unit_changed(unit)
             parent = key
         return added
 
@@ -265,6 +355,9 @@ class HashChainIndex(PrefixIndex):
 
     def leaves(self) -> Iterator[tuple[int, object]]:
         return ((u.last_used, k) for k, u in list(self._units.items()) if not self._children.get(k))
+
+    def handle(self, unit: Unit) -> object:
+        return unit.slot
 
 
 # -------------------------------------------------------------------------------------------- radix tree
@@ -302,8 +395,10 @@ class RadixIndex(PrefixIndex):
             k = 0
             while k < len(child.units) and i < len(units) and child.units[k].tokens == units[i]:
                 child.units[k].last_used = now
+                self.listener.unit_changed(child.units[k])
                 out.append(child.units[k])
                 k, i = k + 1, i + 1
+            self.listener.node_changed(child)
             if k < len(child.units):
                 break
             node = child
@@ -318,6 +413,10 @@ class RadixIndex(PrefixIndex):
         node.parent.children[node.units[0].tokens] = upper
         node.units = node.units[k:]
         node.parent = upper
+        for unit in upper.units:
+            unit.slot = upper
+        self.listener.node_changed(upper)
+        self.listener.node_changed(node)
         return upper
 
     def insert(self, units: Sequence[Tokens], pages: Sequence[PageUnit]) -> int:
@@ -326,18 +425,33 @@ class RadixIndex(PrefixIndex):
         while i < n:
             child = node.children.get(units[i])
             if child is None:
-                new = [self._new_unit(units[j], pages[j], j, now) for j in range(i, n)]
-                node.children[units[i]] = _Node(new, {}, node)
-                return added + len(new)
+                return added + self._add_node(node, units, pages, i, n, now)
             k = 0
             while k < len(child.units) and i < n and child.units[k].tokens == units[i]:
                 added += self._merge(child.units[k], pages[i])
                 child.units[k].last_used = now
+                self.listener.unit_changed(child.units[k])
                 k, i = k + 1, i + 1
             if k < len(child.units) and i < n:
-                child = self._split(child, k)
+                child = self._split(child, k)  # tells the listener of both parts
+            else:
+                self.listener.node_changed(child)
             node = child
         return added
+
+    def _add_node(
+        self, node: _Node, units: Sequence[Tokens], pages: Sequence[PageUnit], i: int, n: int, now: int
+    ) -> int:
+        """Hang units i..n-1 below `node` as one new edge; returns how many."""
+        new = _Node([self._new_unit(units[j], pages[j], j, now) for j in range(i, n)], {}, node)
+        node.children[units[i]] = new
+        for unit in new.units:
+            unit.slot = new
+            self.listener.unit_changed(unit)
+        self.listener.node_changed(new)
+        if node is not self.root:
+            self.listener.node_changed(node)  # no longer a leaf
+        return len(new.units)
 
     def _walk(self) -> Iterator[_Node]:
         stack = list(self.root.children.values())
@@ -351,13 +465,22 @@ class RadixIndex(PrefixIndex):
 
     def drop(self, handle: object) -> None:
         node, k = handle
-        for sub in [node, *self._below(node)]:
+        below = self._below(node)
+        for sub in [node, *below]:
             for u in sub.units[k if sub is node else 0 :]:
                 self._unref(u)
+        for sub in below:
+            self.listener.node_removed(sub)
         node.children = {}
         node.units = node.units[:k]
-        if not node.units:
-            del node.parent.children[next(t for t, c in node.parent.children.items() if c is node)]
+        if node.units:
+            self.listener.node_changed(node)  # a leaf now
+            return
+        parent = node.parent
+        del parent.children[next(t for t, c in parent.children.items() if c is node)]
+        self.listener.node_removed(node)
+        if parent is not self.root:
+            self.listener.node_changed(parent)  # it may be a leaf now
 
     def _below(self, node: _Node) -> list[_Node]:
         out, stack = [], list(node.children.values())
@@ -369,6 +492,14 @@ class RadixIndex(PrefixIndex):
 
     def leaves(self) -> Iterator[tuple[int, object]]:
         return ((node.last_used, (node, 0)) for node in list(self._walk()) if not node.children)
+
+    def nodes(self) -> Iterator[_Node]:
+        """Every node below the root."""
+        return iter(list(self._walk()))
+
+    def handle(self, unit: Unit) -> object:
+        node = unit.slot  # an edge holds consecutive depths
+        return node, unit.depth - node.units[0].depth
 
 
 INDEXES: dict[str, type[PrefixIndex]] = {"hash": HashChainIndex, "radix": RadixIndex}

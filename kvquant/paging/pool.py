@@ -12,7 +12,7 @@ before every allocation (`kvquant.paging.budget`): eviction happens there, as th
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -83,6 +83,9 @@ class PagePool:
         # the byte budget of the store these pools belong to (`kvquant.paging.budget.PageBudget`): asked
         # before a page is handed out, it evicts cached pages in its policy's order or refuses; None: no limit
         self.budget: PageBudget | None = None
+        # told (page, count before, count after) at each incref / decref: the prefix index follows which of
+        # its pages only it holds (`kvquant.paging.index`), so eviction never scans; None: nobody listens
+        self.on_count: Callable[[int, int, int], None] | None = None
 
     # ---- sizes
 
@@ -167,6 +170,8 @@ class PagePool:
         if self._refs[page] <= 0:
             raise StoreError(f"incref of free page {page} in {self!r}")
         self._refs[page] += 1
+        if self.on_count is not None:
+            self.on_count(page, self._refs[page] - 1, self._refs[page])
 
     def decref(self, page: int) -> None:
         if self._refs[page] <= 0:
@@ -174,6 +179,8 @@ class PagePool:
         self._refs[page] -= 1
         if self._refs[page] == 0:
             self._free.append(page)
+        if self.on_count is not None:
+            self.on_count(page, self._refs[page] + 1, self._refs[page])
 
     def copy(self, page: int) -> int:
         """A new page (count 1) holding the same contents: the copy in copy-on-write."""
