@@ -1,6 +1,8 @@
 # kvquant: `make run` sets up and runs the main job; `make test` sets up and runs the tests.
 PY := .venv/bin/python
 SCHEME ?= int4-g64
+# test processes (pytest-xdist): one per core of the 2-core machine the README's times are from
+WORKERS ?= 2
 
 .PHONY: setup run quick test test-fast lint gpu-check docs
 
@@ -14,10 +16,10 @@ quick: setup
 	$(PY) experiments/run.py --scheme $(SCHEME) --quick
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests -n $(WORKERS)
 
 test-fast: setup
-	$(PY) -m pytest -q tests -m "not slow"
+	$(PY) -m pytest -q tests -m "not slow" -n $(WORKERS)
 
 lint: setup
 	$(PY) -m ruff check kvquant kernels eval experiments benchmarks tests

@@ -116,13 +116,14 @@ bench_phase() {
     fi
 }
 
-e2e_phase() {  # 16 decode steps, Triton vs torch tokens, and the variants the Triton run compiled
+e2e_phase() {  # 16 decode steps (6 dry), Triton vs torch tokens, and the variants the Triton run compiled
     "$PY" - "$SCALE" <<'PY'
 import json, os, sys, torch
 sys.path.insert(0, "tests")
 from kvquant.kernels.compiled import SpecializationCounter
 import kvquant
 device = "cuda" if torch.cuda.is_available() else "cpu"
+steps = 16 if sys.argv[1] == "gpu" else 6  # the dry run interprets every kernel: fewer steps, same checks
 from tiny_models import make_tiny_model
 model = make_tiny_model().to(device)
 ids = torch.randint(1, 1000, (2, 24), device=device)
@@ -131,7 +132,7 @@ toks, counts, calls = {}, {}, {}
 fp8 = {}
 for backend in ("triton", "torch"):
     cache = kvquant.QuantizedCache("fp8-e4m3,sink=4,window=16", model.config, backend=backend)
-    fp8[backend] = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False)
+    fp8[backend] = model.generate(ids, past_key_values=cache, max_new_tokens=steps, do_sample=False)
 fp8_same = torch.equal(fp8["triton"], fp8["torch"])
 print("fp8-e4m3: triton == torch tokens:", fp8_same)
 from kvquant.kernels.registry import process_self_check
@@ -141,7 +142,7 @@ for backend in ("triton", "torch"):
     # keys are the variants this generation compiled (prefill and every decode step, all layers)
     counter = SpecializationCounter(passthrough=True)
     with counter:
-        toks[backend] = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False)
+        toks[backend] = model.generate(ids, past_key_values=cache, max_new_tokens=steps, do_sample=False)
     counts[backend], calls[backend] = counter.counts(), dict(counter.calls)
 same = torch.equal(toks["triton"], toks["torch"])
 launched = sum(calls["triton"].values())

@@ -6,7 +6,7 @@
 Batch: one KVQuantLM scores the task's requests with batch size 1, then with each --batch-sizes value (the
 same model object, lm-eval's simple_evaluate); the time of each pass, the speed-up over batch 1 and the
 largest log-likelihood difference from batch 1 are reported. Ranks: the `kvquant-lm-eval` command (python -m
-kvquant.eval.lm_eval_model) run once as one process and once under `torchrun --standalone --nproc-per-node 2`,
+kvquant.eval.lm_eval_cli) run once as one process and once under `torchrun --standalone --nproc-per-node 2`,
 wall time from start to end (imports and model loading included), and whether the two give the same samples.
 The machine's load average is recorded with every timing. Writes benchmarks/results/lm_eval_scale.{md,csv}.
 """
@@ -62,7 +62,7 @@ def batch_rows(model: str | None, scheme: str, chunk: int, limit: int, sizes: li
 
 def rank_rows(model: str | None, scheme: str, chunk: int, limit: int) -> list[dict]:
     args = f"scheme={scheme},chunk={chunk}" + (f",pretrained={model}" if model else "")
-    entry = ["-m", "kvquant.eval.lm_eval_model", "--model", "kvquant", "--model_args", args, "--include_path",
+    entry = ["-m", "kvquant.eval.lm_eval_cli", "--model", "kvquant", "--model_args", args, "--include_path",
              str(TASKS), "--tasks", "kvquant_mmlu", "--limit", str(limit), "--device", "cpu", "--log_samples"]
     torchrun = shutil.which("torchrun", path=str(Path(sys.executable).parent))
     runner = [torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"]

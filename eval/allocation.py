@@ -13,7 +13,7 @@
 3. The result is an ordinary scheme (`layers=0:k1/v1+1:...`), so every tool accepts it; the additive model's
    prediction (joint: KL(around) + the deltas) is reported beside the KL measured with the whole scheme.
    `--write-calib` stores it in the calibration file, and `budget=B,calib=FILE` then resolves to it
-   (`kvquant.calibration.resolve_budget`).
+   (`kvquant.scheme._resolve_budget`, through `kvquant.calibfile.stored_allocation`).
 
     python experiments/allocate.py --budget-bits 3.0 --calib calib/smollm2-nuq.safetensors
     python experiments/allocate.py --budget-bits 3.0 --calib calib/smollm2-crot.safetensors \
@@ -337,6 +337,8 @@ def run_allocation(
 
     from .calibration import EXCLUDE_FROM, calibration_documents
 
+    if write_calib and base.calib is None:  # refused before any measurement
+        raise ValueError("--write-calib stores the allocation in the calibration file: give --calib FILE")
     if model is None:
         model, tokenizer = kvquant.load_model(model_path)
     shape = KVShape.from_config(model.config)
@@ -356,38 +358,9 @@ def run_allocation(
     if around is not None:
         setup["around"] = str(around)
     out = Path(out) if out is not None else None
-    base_kl = 0.0
-    sens = None
-    if out is not None and (out / "sensitivity.json").is_file():
-        saved = json.loads((out / "sensitivity.json").read_text())
-        if saved.get("setup") == setup:
-            sens = Sensitivity.from_json(saved)
-            base_kl = saved.get("around_kl", 0.0)
-            logger.info("reusing %s", out / "sensitivity.json")
-    if sens is None and around is not None:
-        sens, base_kl = measure_joint_sensitivity(
-            model,
-            calib_text.ids,
-            key_candidates,
-            value_candidates,
-            around,
-            progress=lambda n, total: logger.info("joint sensitivity %d/%d", n, total),
-            group=group,
-        )
-    if sens is None:
-        sens = measure_sensitivity(
-            model,
-            calib_text.ids,
-            key_candidates,
-            value_candidates,
-            base,
-            progress=lambda n, total: logger.info("sensitivity %d/%d", n, total),
-            group=group,
-        )
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        saved = {"setup": setup, **sens.to_json(), "around_kl": base_kl}
-        (out / "sensitivity.json").write_text(json.dumps(saved) + "\n")
+    sens, base_kl = _sensitivities(
+        model, calib_text.ids, setup, out, key_candidates, value_candidates, base, around, group
+    )
     chosen, predicted = allocate(sens, shape.num_layers, budget_bits)
     predicted += base_kl  # joint: KL(around) + the deltas (alone: base_kl is 0)
     scheme = scheme_from_choice(chosen, shape.num_layers, base)
@@ -405,37 +378,87 @@ def run_allocation(
         ids, titles = evaluation_documents(
             tokenizer, eval_docs, eval_length, seed, exclude_titles=calib_text.titles
         )
-        refs = reference_logprobs(model, ids)
-        rows = []
-        for s in [scheme, *compare]:
-            rows.append(
-                {
-                    "scheme": str(s),
-                    "effective_bits": effective_bits(model.config, s),
-                    "predicted_kl": predicted_kl(sens, s, shape.num_layers, joint=around is not None)
-                    + base_kl,
-                    "measured_kl_eval": scheme_kl(model, ids, refs, s),
-                }
-            )
-            logger.info("%s", rows[-1])
         result["evaluation"] = {
             "documents": titles,
             "tokens_each": eval_length,
             "mode": "cache",
-            "rows": rows,
+            "rows": _evaluate(model, ids, [scheme, *compare], sens, shape.num_layers, around is not None,
+                              base_kl),
         }
     result["choice"] = {f"{i}.{r}": s for (i, r), s in sorted(chosen.items())}
     if around is not None:
         result["around"] = {"scheme": str(around), "measured_kl_calibration": base_kl}
     if write_calib:
-        if base.calib is None:
-            raise ValueError("--write-calib stores the allocation in the calibration file: give --calib FILE")
-        from kvquant.calibration import store_allocation
-
-        facts = {k: result[k] for k in ("effective_bits", "predicted_kl", "measured_kl_calibration")}
-        result["written_to"] = str(store_allocation(base.calib, budget_bits, scheme, **facts,
-                                                    documents=calib_text.titles, around=setup.get("around")))
+        result["written_to"] = _write_calib(base, budget_bits, scheme, result, calib_text.titles, setup)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "allocation.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def _sensitivities(model, ids, setup: dict, out, key_candidates, value_candidates, base: Scheme,
+                   around: Scheme | None, group: int) -> tuple[Sensitivity, float]:
+    """(sensitivities, KL of `around`): reused from out/sensitivity.json when its setup matches, else
+    measured (jointly around `around`, or each candidate alone over `base`) and saved there."""
+    import json
+
+    if out is not None and (out / "sensitivity.json").is_file():
+        saved = json.loads((out / "sensitivity.json").read_text())
+        if saved.get("setup") == setup:
+            logger.info("reusing %s", out / "sensitivity.json")
+            return Sensitivity.from_json(saved), saved.get("around_kl", 0.0)
+    base_kl = 0.0
+    if around is not None:
+        sens, base_kl = measure_joint_sensitivity(
+            model,
+            ids,
+            key_candidates,
+            value_candidates,
+            around,
+            progress=lambda n, total: logger.info("joint sensitivity %d/%d", n, total),
+            group=group,
+        )
+    else:
+        sens = measure_sensitivity(
+            model,
+            ids,
+            key_candidates,
+            value_candidates,
+            base,
+            progress=lambda n, total: logger.info("sensitivity %d/%d", n, total),
+            group=group,
+        )
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        saved = {"setup": setup, **sens.to_json(), "around_kl": base_kl}
+        (out / "sensitivity.json").write_text(json.dumps(saved) + "\n")
+    return sens, base_kl
+
+
+def _evaluate(model, ids, schemes: Sequence[Scheme], sens: Sensitivity, num_layers: int, joint: bool,
+              base_kl: float) -> list[dict]:
+    """Each scheme's predicted and measured KL on held-out documents `ids` (cache mode)."""
+    from kvquant.memory import effective_bits
+
+    refs = reference_logprobs(model, ids)
+    rows = []
+    for s in schemes:
+        rows.append(
+            {
+                "scheme": str(s),
+                "effective_bits": effective_bits(model.config, s),
+                "predicted_kl": predicted_kl(sens, s, num_layers, joint=joint) + base_kl,
+                "measured_kl_eval": scheme_kl(model, ids, refs, s),
+            }
+        )
+        logger.info("%s", rows[-1])
+    return rows
+
+
+def _write_calib(base: Scheme, budget_bits: float, scheme: Scheme, result: dict, titles, setup: dict) -> str:
+    """Store the allocation in base's calibration file (`budget=B,calib=FILE` then resolves to it)."""
+    from kvquant.calibration import store_allocation
+
+    facts = {k: result[k] for k in ("effective_bits", "predicted_kl", "measured_kl_calibration")}
+    return str(store_allocation(base.calib, budget_bits, scheme, **facts, documents=titles,
+                                around=setup.get("around")))

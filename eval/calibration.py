@@ -92,7 +92,8 @@ def run_calibration(
     import torch
 
     import kvquant
-    from kvquant.calibration import calibrate, entries_for, metadata, save_calibration
+    from kvquant.calibration import entries_for, metadata, save_calibration
+    from kvquant.fitting import calibrate
     from kvquant.memory import KVShape
 
     if model is None:

@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NoReturn
 
+from kvquant import quirks
+
 __all__ = [
     "DEFAULT_CHUNK",
     "DEFAULT_DOCS",
@@ -461,14 +463,13 @@ def model_facts(model: str | None) -> ModelFacts:
             import json
 
             cfg = json.loads((folder / "config.json").read_text())
-            text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
-            pos = text.get("max_position_embeddings", text.get("n_positions"))
-            layers = text.get("num_hidden_layers", text.get("n_layer"))
+            if not isinstance(cfg, dict):
+                return ModelFacts()
             return ModelFacts(
-                pos if _is_int(pos) else None,
-                layers if _is_int(layers) else None,
+                quirks.max_positions(cfg),
+                quirks.attention_shape(cfg).num_layers,
                 f"from {folder / 'config.json'}",
-                **_shape_facts(text),
+                **_shape_facts(cfg),
             )
     except (OSError, ValueError, AttributeError):  # unreadable: the loader says why, later
         return ModelFacts()
@@ -478,22 +479,18 @@ def model_facts(model: str | None) -> ModelFacts:
 _GGUF_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}  # value type -> bytes
 
 
-def _shape_facts(text: dict) -> dict:
-    """head_dim, kv_heads and sliding layers of a transformers text config (a dict)."""
-    heads = text.get("num_attention_heads")
-    kv = text.get("num_key_value_heads") or heads
-    head_dim = text.get("head_dim")
-    if not _is_int(head_dim) and _is_int(text.get("hidden_size")) and _is_int(heads) and heads:
-        head_dim = text["hidden_size"] // heads
-    window = text.get("sliding_window")
-    types = text.get("layer_types")
-    sliding = None
-    if isinstance(types, list):
-        sliding = tuple(i for i, k in enumerate(types) if k == "sliding_attention")
-    if not _is_int(window) or sliding == ():
-        window, sliding = None, (() if sliding is not None else None)
-    return {"head_dim": head_dim if _is_int(head_dim) else None, "kv_heads": kv if _is_int(kv) else None,
-            "sliding_window": window, "sliding_layers": sliding}
+def _shape_facts(cfg: dict) -> dict:
+    """head_dim, kv_heads and sliding layers of a config.json (`kvquant.quirks`); sliding_layers None where
+    the file does not say which layers slide (a window but no `layer_types`)."""
+    shape = quirks.attention_shape(cfg)
+    windows = quirks.layer_windows(cfg)
+    if windows is None:
+        window, sliding = quirks.sliding_window(cfg), None
+    else:
+        sliding = tuple(i for i, w in enumerate(windows) if w is not None)
+        window = windows[sliding[0]] if sliding else None
+    return {"head_dim": shape.head_dim, "kv_heads": shape.num_kv_heads, "sliding_window": window,
+            "sliding_layers": sliding}
 
 
 def _gguf_facts(path: Path) -> ModelFacts:

@@ -100,10 +100,10 @@ def load_model(config: RunConfig, model=None, tokenizer=None, device: str | None
 def check_model_fits(config: RunConfig, model, schemes: list[EvalScheme]):
     """The length within the model's positions and every group size dividing its head_dim; the KV shape."""
     import kvquant
+    from kvquant.quirks import max_positions
     from kvquant.scheme import SchemeError
 
-    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    max_pos = getattr(text_cfg, "max_position_embeddings", None)
+    max_pos = max_positions(model.config)
     if max_pos is not None and config.max_length > max_pos:
         raise RunError(f"--max-length {config.max_length} is beyond the model's {max_pos} positions")
     shape = kvquant.memory.KVShape.from_config(model.config)

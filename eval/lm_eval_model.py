@@ -20,7 +20,7 @@ a .gguf, or the embedded default when `pretrained` is left out); nothing reaches
 Data parallel: under `torchrun` or `accelerate launch` (WORLD_SIZE > 1) each process binds its own device
 (`cuda:LOCAL_RANK`, or the CPU with gloo), scores its share of the requests, and lm-eval gathers them:
 
-    torchrun --standalone --nproc-per-node 2 -m kvquant.eval.lm_eval_model --model kvquant ...
+    torchrun --standalone --nproc-per-node 2 -m kvquant.eval.lm_eval_cli --model kvquant ...
 
     kvquant-lm-eval --model kvquant --model_args pretrained=PATH,scheme=int4-g64,chunk=256 \
         --include_path eval/tasks --tasks kvquant_mmlu --limit 20
@@ -48,9 +48,9 @@ from kvquant.cache import QuantizedCache
 from kvquant.models import input_device
 from kvquant.scheme import Scheme, parse_scheme
 
-from .lm_eval_cli import DTYPE_ALIASES, batch_size_of, check_device, check_model_args
+from .lm_eval_args import DTYPE_ALIASES, batch_size_of, check_device, check_model_args, scheme_display
 
-__all__ = ["KVQuantLM", "DEFAULT_CHUNK", "choice_agreement", "cli", "scheme_display", "wandb_defaults"]
+__all__ = ["KVQuantLM", "DEFAULT_CHUNK", "choice_agreement", "scheme_display"]
 
 logger = logging.getLogger(__name__)
 
@@ -319,39 +319,10 @@ def _data_parallel(device: str | None):
     return accelerator
 
 
-if __name__ != "__main__":  # `python -m` runs a __main__ copy; the registered class is the importable one
-    register_model("kvquant")(KVQuantLM)
-
-
-def scheme_display(scheme: Scheme) -> str:
-    """A scheme as experiments/run.py's report shows it: a preset by its name (`kivi-2`), else its spec."""
-    return scheme.name or str(scheme)
-
-
-def wandb_defaults(argv: Sequence[str]) -> dict[str, str]:
-    """W&B environment defaults for an lm-eval run with `--wandb_args`: the group `lm-eval <tasks>` (every
-    scheme run on the same tasks lands in one group) and the run named by its scheme; `group=` / `name=` in
-    --wandb_args, or WANDB_RUN_GROUP / WANDB_NAME already set, win. Empty without --wandb_args."""
-    args = list(argv)
-    if "--wandb_args" not in args and not any(a.startswith("--wandb_args=") for a in args):
-        return {}
-
-    def value(flag: str) -> str | None:
-        for i, a in enumerate(args):
-            if a == flag and i + 1 < len(args):
-                return args[i + 1]
-            if a.startswith(flag + "="):
-                return a.split("=", 1)[1]
-        return None
-
-    out = {"WANDB_RUN_GROUP": f"lm-eval {value('--tasks') or 'tasks'}"}
-    model_args = value("--model_args") or ""
-    scheme = next((kv.split("=", 1)[1] for kv in model_args.split(",") if kv.startswith("scheme=")), "fp16")
-    try:
-        out["WANDB_NAME"] = scheme_display(parse_scheme(scheme.replace(";", ",")))
-    except ValueError:
-        pass  # the argument check reports a bad scheme in one line; no name here
-    return out
+if __name__ == "__main__":  # a __main__ copy would register a second class; the command is lm_eval_cli
+    sys.exit("kvquant.eval.lm_eval_model is the lm-eval model, not a command: run kvquant-lm-eval or "
+             "python -m kvquant.eval.lm_eval_cli (torchrun / accelerate launch too)")
+register_model("kvquant")(KVQuantLM)
 
 
 def choice_agreement(samples_a: list[dict], samples_b: list[dict]) -> float:
@@ -369,19 +340,3 @@ def choice_agreement(samples_a: list[dict], samples_b: list[dict]) -> float:
     if not common:
         raise ValueError("the two runs share no doc_id; log samples of the same task and limit")
     return sum(a[d] == b[d] for d in common) / len(common)
-
-
-def cli(argv: Sequence[str] | None = None) -> None:
-    """`kvquant-lm-eval`: lm-eval's CLI with the `kvquant` model registered (lm-eval finds no plug-ins);
-    see `kvquant.eval.lm_eval_cli`, which checks the arguments before the heavy imports."""
-    from .lm_eval_cli import cli as checked_cli
-
-    for var, default in wandb_defaults(sys.argv[1:] if argv is None else argv).items():
-        os.environ.setdefault(var, default)  # read by the wandb.init lm-eval's WandbLogger calls
-    checked_cli(argv)
-
-
-if __name__ == "__main__":
-    from kvquant.eval.lm_eval_model import cli as registered_cli
-
-    registered_cli()

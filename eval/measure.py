@@ -32,13 +32,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.cache_utils import Cache, DynamicCache
 
 import kvquant
-from kvquant.plan import LayerPlan
-from kvquant.scheme import Scheme
 
 from . import scoring
+from .fakequant import FakeQuantCache
 from .schemes import EvalScheme, parse_eval_scheme
 
 __all__ = [
@@ -120,61 +119,6 @@ class BucketStats:
 
 
 # ------------------------------------------------------------------------------------------------ caches
-
-
-def _fake_quantize_stored(x: torch.Tensor, plan: LayerPlan, spec) -> torch.Tensor:
-    """x (B, H_kv, T, D) as a QuantizedCache fed x at once would store it, by the layer's plan: the first
-    `sink` tokens exact (none on a sliding layer), then whole token groups quantized-and-dequantized, then at
-    least `window` tokens (and any incomplete channel group) exact."""
-    t = x.shape[2]
-    sink = min(plan.sink, t)
-    body = plan.quantized_end(t) - sink
-    if body <= 0 or not spec.is_quantized:
-        return x
-    mid = kvquant.fake_quantize(x[:, :, sink : sink + body], spec)
-    return torch.cat([x[:, :, :sink], mid, x[:, :, sink + body :]], dim=2)
-
-
-class FakeQuantLayer(DynamicLayer):
-    """Stores K/V exactly; `update` returns everything stored, fake-quantized as a QuantizedCache holding
-    those tokens would read back after one update (sink exact, body quantized from the sink on, window
-    exact), by the same `LayerPlan` the cache's layer has (so a sliding layer drops its sinks here too).
-    Each update re-derives the body from exact values: use it for single-forward (fake) evaluation."""
-
-    def __init__(self, scheme: Scheme, sliding_window: int | None = None):
-        super().__init__()
-        self.scheme, self.sliding_window = scheme, sliding_window
-        self.plan: LayerPlan | None = None
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if self.plan is None:
-            _, h, _, d = key_states.shape
-            self.plan = LayerPlan.build(
-                self.scheme, heads=h, head_dim=d, dtype=key_states.dtype, sliding_window=self.sliding_window
-            )
-        keys, values = super().update(key_states, value_states, *args, **kwargs)
-        return (
-            _fake_quantize_stored(keys, self.plan, self.scheme.key),
-            _fake_quantize_stored(values, self.plan, self.scheme.value),
-        )
-
-
-class FakeQuantCache(Cache):
-    """Layers return fake-quantized K/V as plain tensors (kvquant attention hands them to SDPA)."""
-
-    def __init__(self, scheme: Scheme | str, config=None):
-        self.scheme = kvquant.parse_scheme(scheme)
-        if config is None:
-            if self.scheme.layers:
-                raise ValueError(f"scheme {self.scheme} has per-layer specs: pass the model's config")
-            super().__init__(layer_class_to_replicate=lambda: FakeQuantLayer(self.scheme))
-            return
-        shape = kvquant.memory.KVShape.from_config(config)
-        self.scheme.check_head_dim(shape.head_dim)
-        self.scheme.check_num_layers(shape.num_layers)
-        n = shape.num_layers
-        layers = [FakeQuantLayer(self.scheme.for_layer(i), shape.window_of(i)) for i in range(n)]
-        super().__init__(layers=layers)
 
 
 def make_cache(scheme: EvalScheme | None, config, mode: str) -> Cache:
@@ -334,85 +278,27 @@ def evaluate_document(
     stored_stats = reference is not None and all(
         f in reference and len(reference[f]) == length - 1 for f in scoring.STAT_FIELDS
     )
-    runs = [_Run(REFERENCE, make_cache(None, model.config, mode) if live_ref else None)]
-    for s in schemes:
-        s = parse_eval_scheme(s)
-        try:
-            runs.append(_Run(s.label, make_cache(s, model.config, mode), s))
-        except Exception as e:  # noqa: BLE001 - reported, the others go on
-            _fail(_Run(s.label, None), e, on_error)
-    for r in runs:
-        r.stats = {b: BucketStats() for b in buckets}
+    runs = _start_runs(model, schemes, mode, buckets, live_ref, on_error)
     pending = list(buckets)
-    targets = ids[0, 1:]
     kept: list[torch.Tensor] = []  # the reference's hidden states (1, t, hidden) per chunk, computed here
     kept_stats: list[dict[str, torch.Tensor]] = []  # its scoring statistics per slice, when computed here
     for start, end in zip(bounds, bounds[1:], strict=False):
         piece = ids[:, start:end]
-        hiddens: dict[str, torch.Tensor] = {}
         if live_ref:
-            hiddens[REFERENCE] = _hidden(model, piece, runs[0].cache)
+            ref_hidden = _hidden(model, piece, runs[0].cache)
             if on_reference is not None:
-                kept.append(hiddens[REFERENCE].detach().to("cpu", copy=True))
+                kept.append(ref_hidden.detach().to("cpu", copy=True))
         else:
-            hiddens[REFERENCE] = reference["hidden"][:, start:end].to(ids.device)
-        first_prefill = mode == "prefill" and start == 0
-        for r in list(runs[1:]):
-            try:
-                if first_prefill:
-                    # FP attention among the prompt's tokens, then stored quantized
-                    if live_ref:
-                        fp_cache, hiddens[r.label] = runs[0].cache, hiddens[REFERENCE]
-                    else:
-                        fp_cache = make_cache(None, model.config, mode)
-                        hiddens[r.label] = _hidden(model, piece, fp_cache)
-                    store_prefill(r.cache, fp_cache)
-                else:
-                    hiddens[r.label] = _hidden(model, piece, r.cache)
-            except Exception as e:  # noqa: BLE001
-                _fail(r, e, on_error)
-                runs.remove(r)
+            ref_hidden = reference["hidden"][:, start:end].to(ids.device)
+        prefilling = mode == "prefill" and start == 0
+        hiddens = {REFERENCE: ref_hidden}
+        hiddens |= _scheme_hiddens(model, piece, runs, ref_hidden if live_ref else None, prefilling, on_error)
         # predictions at positions start..end-1 target tokens start+1..end (the last one has none)
         n_pred = min(end, length - 1) - start
-        for s0 in range(0, n_pred, LOGIT_SLICE):
-            s1 = min(s0 + LOGIT_SLICE, n_pred)
-            tgt = targets[start + s0 : start + s1]  # token positions start+s0+1 .. start+s1
-            pos = torch.arange(start + s0 + 1, start + s1 + 1, device=tgt.device)
-            if stored_stats:
-                ref = scoring.stored_slice(reference, start + s0, start + s1, tgt.device)
-            else:
-                ref = scoring.reference_slice(model, hiddens[REFERENCE][0, s0:s1], tgt)
-                kept_stats.append(ref.stats())
-            ref_nll = ref.nll
-            for r in runs:
-                if r.label == REFERENCE:
-                    nll, kl = ref_nll, torch.zeros_like(ref_nll)
-                    agree = torch.ones_like(tgt, dtype=torch.bool)
-                else:
-                    nll, kl, agree = scoring.score(model, ref, hiddens[r.label][0, s0:s1], tgt)
-                dp = torch.exp(-nll) - torch.exp(-ref_nll)
-                for b in buckets:
-                    m = (pos >= max(b.start, 1)) & (pos < b.end)
-                    if m.any():
-                        st = r.stats[b]
-                        st.nll += float(nll[m].sum())
-                        st.ref_nll += float(ref_nll[m].sum())
-                        st.kl += float(kl[m].sum())
-                        st.top1 += int(agree[m].sum())
-                        st.dp += float(dp[m].sum())
-                        st.dp_sq += float((dp[m] ** 2).sum())
-                        st.tokens += int(m.sum())
-                        st.token_parts["nll_diff"].append((nll[m] - ref_nll[m]).cpu())
-                        st.token_parts["kl"].append(kl[m].float().cpu())
-        done = [b for b in pending if b.end <= end + 1 or end == length]
-        for b in done:
-            pending.remove(b)
-            if on_bucket is not None:
-                for r in runs:
-                    if r.cache is None:  # the reference read from the reference cache holds nothing
-                        on_bucket(r.label, b, r.stats[b], None, None)
-                    else:
-                        on_bucket(r.label, b, r.stats[b], cache_nbytes(r.cache), r.cache.get_seq_length())
+        kept_stats += _score_chunk(
+            model, runs, hiddens, ids[0, 1:], start, n_pred, buckets, reference if stored_stats else None
+        )
+        _report_complete(pending, end, length, runs, on_bucket)
         if progress is not None:
             progress(end - start)
         del hiddens
@@ -423,6 +309,110 @@ def evaluate_document(
             out.update({f: torch.cat([st[f] for st in kept_stats]) for f in scoring.STAT_FIELDS})
         on_reference(out)
     return {r.label: r.stats for r in runs}
+
+
+def _start_runs(model, schemes, mode: str, buckets, live_ref: bool, on_error: OnError | None) -> list[_Run]:
+    """The reference's run first (its cache None when its hidden states are read, not computed), then one
+    per scheme whose cache could be made; a scheme whose cache fails is reported and left out."""
+    runs = [_Run(REFERENCE, make_cache(None, model.config, mode) if live_ref else None)]
+    for s in schemes:
+        s = parse_eval_scheme(s)
+        try:
+            runs.append(_Run(s.label, make_cache(s, model.config, mode), s))
+        except Exception as e:  # noqa: BLE001 - reported, the others go on
+            _fail(_Run(s.label, None), e, on_error)
+    for r in runs:
+        r.stats = {b: BucketStats() for b in buckets}
+    return runs
+
+
+def _scheme_hiddens(
+    model, piece: torch.Tensor, runs: list[_Run], live: torch.Tensor | None, prefilling: bool,
+    on_error: OnError | None,
+) -> dict[str, torch.Tensor]:
+    """Each scheme's last hidden states (1, t, hidden) for one chunk, piece (1, t), through its cache. The
+    prefill chunk has FP attention among the prompt's tokens (the reference's forward `live` when it ran
+    here, else one of its own), then stores the FP K/V in the scheme's cache. A run that raises is reported
+    and removed from `runs`."""
+    out: dict[str, torch.Tensor] = {}
+    for r in list(runs[1:]):
+        try:
+            if prefilling:
+                if live is not None:
+                    fp_cache, out[r.label] = runs[0].cache, live
+                else:
+                    fp_cache = make_cache(None, model.config, "prefill")
+                    out[r.label] = _hidden(model, piece, fp_cache)
+                store_prefill(r.cache, fp_cache)
+            else:
+                out[r.label] = _hidden(model, piece, r.cache)
+        except Exception as e:  # noqa: BLE001
+            _fail(r, e, on_error)
+            runs.remove(r)
+    return out
+
+
+def _score_chunk(
+    model, runs: list[_Run], hiddens: dict[str, torch.Tensor], targets: torch.Tensor, start: int, n_pred: int,
+    buckets: Sequence[Bucket], stored: dict[str, torch.Tensor] | None,
+) -> list[dict[str, torch.Tensor]]:
+    """Score one chunk's n_pred predictions (positions start.., targets (L - 1,) the document's tokens 1..)
+    for every run, LOGIT_SLICE positions at a time, into the runs' bucket sums. The reference's statistics
+    are read from `stored` when given, else computed; the computed ones are returned, one dict per slice."""
+    computed = []
+    for s0 in range(0, n_pred, LOGIT_SLICE):
+        s1 = min(s0 + LOGIT_SLICE, n_pred)
+        tgt = targets[start + s0 : start + s1]  # token positions start+s0+1 .. start+s1
+        pos = torch.arange(start + s0 + 1, start + s1 + 1, device=tgt.device)
+        if stored is not None:
+            ref = scoring.stored_slice(stored, start + s0, start + s1, tgt.device)
+        else:
+            ref = scoring.reference_slice(model, hiddens[REFERENCE][0, s0:s1], tgt)
+            computed.append(ref.stats())
+        ref_nll = ref.nll
+        for r in runs:
+            if r.label == REFERENCE:
+                nll, kl = ref_nll, torch.zeros_like(ref_nll)
+                agree = torch.ones_like(tgt, dtype=torch.bool)
+            else:
+                nll, kl, agree = scoring.score(model, ref, hiddens[r.label][0, s0:s1], tgt)
+            _add_to_buckets(r.stats, buckets, pos, nll, ref_nll, kl, agree)
+    return computed
+
+
+def _add_to_buckets(
+    stats: dict[Bucket, BucketStats], buckets: Sequence[Bucket], pos: torch.Tensor, nll: torch.Tensor,
+    ref_nll: torch.Tensor, kl: torch.Tensor, agree: torch.Tensor,
+) -> None:
+    """Add one slice's values per prediction (pos (n,): the predicted tokens' positions) to its buckets."""
+    dp = torch.exp(-nll) - torch.exp(-ref_nll)
+    for b in buckets:
+        m = (pos >= max(b.start, 1)) & (pos < b.end)
+        if m.any():
+            st = stats[b]
+            st.nll += float(nll[m].sum())
+            st.ref_nll += float(ref_nll[m].sum())
+            st.kl += float(kl[m].sum())
+            st.top1 += int(agree[m].sum())
+            st.dp += float(dp[m].sum())
+            st.dp_sq += float((dp[m] ** 2).sum())
+            st.tokens += int(m.sum())
+            st.token_parts["nll_diff"].append((nll[m] - ref_nll[m]).cpu())
+            st.token_parts["kl"].append(kl[m].float().cpu())
+
+
+def _report_complete(pending: list[Bucket], end: int, length: int, runs: list[_Run], on_bucket) -> None:
+    """Hand every bucket the chunk ending at `end` completed to on_bucket, for each run, and drop it from
+    `pending`; cache bytes and tokens are None for the reference read from the reference cache."""
+    done = [b for b in pending if b.end <= end + 1 or end == length]
+    for b in done:
+        pending.remove(b)
+        if on_bucket is not None:
+            for r in runs:
+                if r.cache is None:  # the reference read from the reference cache holds nothing
+                    on_bucket(r.label, b, r.stats[b], None, None)
+                else:
+                    on_bucket(r.label, b, r.stats[b], cache_nbytes(r.cache), r.cache.get_seq_length())
 
 
 def _fail(run: _Run, e: BaseException, on_error: OnError | None) -> None:

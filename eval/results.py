@@ -630,20 +630,10 @@ def summarize(
     from .stats import N_BOOT, bootstrap_intervals, seed_for
 
     n_boot = n_boot or N_BOOT
+    rows = list(rows)
     ok = [r for r in rows if r.get("status") == "ok"]
     ref = {(r["mode"], r["doc"], r["bucket"]): r for r in ok if r["scheme"] == reference}
-    groups: dict[tuple, list[dict]] = defaultdict(list)
-    order: list[tuple] = []
-    for r in ok:
-        k = (r["scheme"], r["mode"])
-        if k not in order:
-            order.append(k)
-        groups[k].append(r)
-    failed = {(r["scheme"], r["mode"]): r for r in rows if r.get("status") in ("failed", "skipped")}
-    for k in failed:
-        if k not in order:
-            order.append(k)
-    order.sort(key=lambda k: (k[1], k[0] != reference))
+    groups, failed, order = _grouped(rows, ok, reference)
     out = []
     for scheme, mode in order:
         mem = memory.get(scheme)
@@ -700,23 +690,48 @@ def summarize(
                 for m in metrics.INTERVAL_METRICS:
                     row[f"{m.name}_lo"] = row[f"{m.name}_hi"] = row[m.name]
             # bytes held at the end of the bucket (at the end of the document for `all`)
-            last = rs if label != "all" else bucket_rows[keys[-1]]
-            measured = [r["cache_bytes"] / r["cache_tokens"] for r in last
-                        if r.get("cache_bytes") is not None and r.get("cache_tokens")]
-            row["bytes_per_token_measured"] = (
-                sum(measured) / len(measured) if measured and mode != "fake" else math.nan
-            )
-            _memory_columns(row, last, mode)
-            n = max(int(be), 1)
-            row["bytes_per_token_formula_run"] = (
-                mem.held_run(n) / n if mem and mem.held_run and mode != "fake" else math.nan)
-            row["bytes_per_token"] = mem.held(n) / n if mem else math.nan
-            held_ref = ref_mem.held(n) if ref_mem else math.nan
-            row["saving"] = held_ref / mem.held(n) if mem and mem.held(n) else math.nan
+            _bytes_columns(row, rs if label != "all" else bucket_rows[keys[-1]], mode, max(int(be), 1),
+                           mem, ref_mem)
             row["drift_noise"] = math.nan
             out.append(row)
     _noise(out)
     return out
+
+
+def _grouped(rows: list[dict], ok: list[dict], reference: str
+             ) -> tuple[dict[tuple, list[dict]], dict[tuple, dict], list[tuple]]:
+    """(measured rows per (scheme, mode), the failed or skipped row per (scheme, mode), every (scheme, mode)
+    in summary order: by mode, the reference first, then as first seen)."""
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    order: list[tuple] = []
+    for r in ok:
+        k = (r["scheme"], r["mode"])
+        if k not in order:
+            order.append(k)
+        groups[k].append(r)
+    failed = {(r["scheme"], r["mode"]): r for r in rows if r.get("status") in ("failed", "skipped")}
+    for k in failed:
+        if k not in order:
+            order.append(k)
+    order.sort(key=lambda k: (k[1], k[0] != reference))
+    return groups, failed, order
+
+
+def _bytes_columns(row: dict, last: list[dict], mode: str, n: int, mem: Memory | None,
+                   ref_mem: Memory | None) -> None:
+    """A summary row's bytes per token: measured (pages held at the end of `last`'s bucket), the memory
+    columns, the formulas at n tokens, and the saving against the reference's formula."""
+    measured = [r["cache_bytes"] / r["cache_tokens"] for r in last
+                if r.get("cache_bytes") is not None and r.get("cache_tokens")]
+    row["bytes_per_token_measured"] = (
+        sum(measured) / len(measured) if measured and mode != "fake" else math.nan
+    )
+    _memory_columns(row, last, mode)
+    row["bytes_per_token_formula_run"] = (
+        mem.held_run(n) / n if mem and mem.held_run and mode != "fake" else math.nan)
+    row["bytes_per_token"] = mem.held(n) / n if mem else math.nan
+    held_ref = ref_mem.held(n) if ref_mem else math.nan
+    row["saving"] = held_ref / mem.held(n) if mem and mem.held(n) else math.nan
 
 
 def _memory_columns(row: dict, last: list[dict], mode: str) -> None:

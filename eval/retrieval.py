@@ -379,8 +379,9 @@ def run_retrieval(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Pat
 
 def _check_lengths(config: RunConfig, model, schemes) -> None:
     longest = max(config.grid_lengths) + 16  # the answer's tokens follow the prompt
-    text_cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    max_pos = getattr(text_cfg, "max_position_embeddings", None)
+    from kvquant.quirks import max_positions
+
+    max_pos = max_positions(model.config)
     if max_pos is not None and longest > max_pos:
         raise RunError(
             f"--lengths {max(config.grid_lengths)} (+ the answer) is beyond the model's {max_pos} positions"

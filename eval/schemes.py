@@ -110,7 +110,7 @@ class KVQuantScheme:
 
     def make_cache(self, config, mode: str):
         if mode == "fake":
-            from .measure import FakeQuantCache
+            from .fakequant import FakeQuantCache  # torch and transformers: fake mode only
 
             return FakeQuantCache(self.scheme, config)
         return kvquant.QuantizedCache(self.scheme, config)

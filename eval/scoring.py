@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvquant.quirks import final_logit_softcap
+
 __all__ = [
     "STAT_FIELDS",
     "ReferenceSlice",
@@ -40,10 +42,7 @@ STAT_FIELDS = ("nll", "top", "lse", "psum", "mean_row")  # what a reference cach
 
 
 def _softcap(model) -> float | None:
-    cap = getattr(model.config, "final_logit_softcapping", None)
-    if cap is None and hasattr(model.config, "get_text_config"):
-        cap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-    return cap or None
+    return final_logit_softcap(model.config)
 
 
 def head_weight(model) -> torch.Tensor | None:

@@ -521,11 +521,6 @@ def run(config: ServeConfig, *, model=None, tokenizer=None) -> tuple[Path, list[
 
 
 def _run_locked(config: ServeConfig, run_dir: Path, model, tokenizer) -> tuple[Path, list[dict]]:
-    import torch
-
-    from kvquant import memory
-    from kvquant.serving import Engine
-
     from . import results as res
 
     points = plan(config)
@@ -538,7 +533,52 @@ def _run_locked(config: ServeConfig, run_dir: Path, model, tokenizer) -> tuple[P
             len(points), run_dir, len(todo),
         )
     t_start = time.perf_counter()
-    if todo:
+    inputs = _Inputs.load(config, model, tokenizer) if todo else None
+    harness.write_json(cfg_path, _config_record(config, cfg_path, len(todo)))
+    results = run_dir / "results.jsonl"
+    _, torn = res.read_rows(results, required={"kind": (str,)}) if results.is_file() else ([], False)
+    summary: list[dict] = []
+    unbudgeted: dict[str, RowResult] = {}  # per scheme: its prefix-cache row without a budget
+    finished = False
+    with res.interrupt_on_sigterm():  # SIGTERM ends the run as Ctrl-C does: what was measured is written
+        try:
+            for scheme, prefix, policy in points:
+                held = done.get((scheme, prefix, policy))
+                if held is not None:
+                    summary.append(held["summary"])
+                    if prefix != "off" and policy == "none":
+                        unbudgeted[scheme] = RowResult(
+                            scheme, prefix, policy, None, peak_bytes=int(held["peak_bytes"]),
+                            running_peak_bytes=int(held["running_peak_bytes"]),
+                        )
+                    continue
+                row, lines = _measure_point(config, inputs, (scheme, prefix, policy), unbudgeted)
+                _append_lines(results, lines, torn)
+                torn = False
+                summary.append(lines[-1]["summary"])
+            finished = True
+        finally:
+            if summary:
+                write_outputs(run_dir, summary, config, None if finished else (len(summary), len(points)))
+    logger.info("simulation took %.0f s", time.perf_counter() - t_start)
+    return run_dir, summary
+
+
+@dataclass
+class _Inputs:
+    """What every row of a serve run measures against: the model, the workload and its FP16 replies, the
+    fit probe's requests and its byte budget (loaded only when a row is left to measure)."""
+
+    model: object
+    workload: list
+    refs: list
+    probe: list
+    fit_budget: int
+
+    @classmethod
+    def load(cls, config: ServeConfig, model, tokenizer) -> _Inputs:
+        from kvquant import memory
+
         model, tokenizer = _load(config, model, tokenizer)
         workload = build_workload(
             tokenizer, max(config.requests, 2), config.context, config.shared_tokens, config.seed
@@ -556,7 +596,13 @@ def _run_locked(config: ServeConfig, run_dir: Path, model, tokenizer) -> tuple[P
             tokenizer, config.fit_max, config.context, config.shared_tokens, config.seed + 1
         )
         fp16_request = memory.cache_bytes(model.config, "fp16", config.context, block_size=config.block_size)
-        fit_budget = config.fit_fp16_requests * fp16_request
+        return cls(model, workload, refs, probe, config.fit_fp16_requests * fp16_request)
+
+
+def _config_record(config: ServeConfig, cfg_path: Path, rows_left: int) -> dict:
+    """config.json: the run's settings and provenance when new; a resumed run appends when and where."""
+    import torch
+
     now = {
         "torch": torch.__version__,
         "num_threads": torch.get_num_threads(),
@@ -565,106 +611,91 @@ def _run_locked(config: ServeConfig, run_dir: Path, model, tokenizer) -> tuple[P
     if cfg_path.is_file():
         cfg_json = json.loads(cfg_path.read_text(encoding="utf-8"))
         cfg_json.setdefault("resumed", []).append(
-            now | {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows_left": len(todo),
+            now | {"at": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "rows_left": rows_left,
                    "git_commit": harness.git_commit()}
         )
-    else:
-        cfg_json = asdict(config) | {
-            "kind": "serve",
-            "identity": identity(config),
-            "shared_tokens": config.shared_tokens,
-            **now,
-            **harness.provenance(),  # versions, git commit, created: as every run directory records them
-            "bytes": "FP16 (deployment) bytes of pages held in the shared store",
+        return cfg_json
+    return asdict(config) | {
+        "kind": "serve",
+        "identity": identity(config),
+        "shared_tokens": config.shared_tokens,
+        **now,
+        **harness.provenance(),  # versions, git commit, created: as every run directory records them
+        "bytes": "FP16 (deployment) bytes of pages held in the shared store",
+    }
+
+
+def _measure_point(
+    config: ServeConfig, inputs: _Inputs, point: tuple[str, str, str], unbudgeted: dict[str, RowResult]
+) -> tuple[RowResult, list[dict]]:
+    """Simulate one (scheme, prefix cache, policy) row; its result lines, the `row` line last. A budgeted
+    row's budget comes from its scheme's unbudgeted row (`unbudgeted`, which this fills in)."""
+    from kvquant import memory
+    from kvquant.serving import Engine
+
+    scheme, prefix, policy = point
+    model, workload = inputs.model, inputs.workload
+    label = dict(scheme=scheme, prefix_cache=prefix, policy=policy)
+    budget = (
+        None
+        if policy == "none"
+        else _forcing_budget(unbudgeted[scheme], config.budget_fraction, model, config.block_size)
+    )
+    logger.info("%s", label | {"budget_bytes": budget})
+    engine = Engine(
+        model,
+        scheme,
+        prefix_cache=None if prefix == "off" else prefix,
+        policy=policy,
+        budget_bytes=budget,
+        block_size=config.block_size,
+    )
+    row = simulate(engine, workload, inputs.refs, config.concurrency, label)
+    if prefix != "off" and policy == "none":
+        unbudgeted[scheme] = row
+    if engine.index is not None:
+        engine.index.clear()
+    engine.store.check()
+    if engine.store.pages_in_use():
+        raise RuntimeError(f"{engine.store.pages_in_use()} pages still in use after {label}")
+    attempt = f"{os.getpid()}-{time.time_ns()}"  # the lines of this measurement of the point
+    tag = label | {"attempt": attempt}
+    lines: list[dict] = []
+    fit = None
+    if policy == "none" and config.fit_fp16_requests:
+        share = 0 if prefix == "off" else config.shared_tokens
+        measured = fit_requests(
+            model,
+            scheme,
+            inputs.probe,
+            inputs.fit_budget,
+            None if prefix == "off" else prefix,
+            config.block_size,
+            config.fit_max,
+        )
+        formula = memory.capacity(
+            model.config, scheme, inputs.fit_budget, config.context, share, block_size=config.block_size
+        ).requests
+        fit = (measured, formula, inputs.fit_budget)
+        lines.append(
+            tag | dict(kind="fit", measured=measured, formula=formula, budget_bytes=inputs.fit_budget)
+        )
+    paired = None
+    if policy == "none" and prefix != "off" and len(workload) > 1:
+        paired = paired_ttft(model, scheme, workload, prefix, config.block_size)
+        lines.append(tag | {"kind": "ttft_pair", "hit_s": paired[0], "miss_s": paired[1]})
+    lines += [tag | {"kind": "request"} | r for r in row.requests]
+    lines += [tag | {"kind": "timeline"} | t for t in row.timeline]
+    lines.append(
+        tag
+        | {
+            "kind": "row",
+            "summary": _summary_row(row, fit, paired),
+            "peak_bytes": row.peak_bytes,
+            "running_peak_bytes": row.running_peak_bytes,
         }
-    harness.write_json(cfg_path, cfg_json)
-    results = run_dir / "results.jsonl"
-    _, torn = res.read_rows(results, required={"kind": (str,)}) if results.is_file() else ([], False)
-    summary: list[dict] = []
-    unbudgeted: dict[str, RowResult] = {}  # per scheme: its prefix-cache row without a budget
-    finished = False
-    with res.interrupt_on_sigterm():  # SIGTERM ends the run as Ctrl-C does: what was measured is written
-        try:
-            for scheme, prefix, policy in points:
-                label = dict(scheme=scheme, prefix_cache=prefix, policy=policy)
-                held = done.get((scheme, prefix, policy))
-                if held is not None:
-                    summary.append(held["summary"])
-                    if prefix != "off" and policy == "none":
-                        unbudgeted[scheme] = RowResult(
-                            scheme, prefix, policy, None, peak_bytes=int(held["peak_bytes"]),
-                            running_peak_bytes=int(held["running_peak_bytes"]),
-                        )
-                    continue
-                budget = (
-                    None
-                    if policy == "none"
-                    else _forcing_budget(unbudgeted[scheme], config.budget_fraction, model, config.block_size)
-                )
-                logger.info("%s", label | {"budget_bytes": budget})
-                engine = Engine(
-                    model,
-                    scheme,
-                    prefix_cache=None if prefix == "off" else prefix,
-                    policy=policy,
-                    budget_bytes=budget,
-                    block_size=config.block_size,
-                )
-                row = simulate(engine, workload, refs, config.concurrency, label)
-                if prefix != "off" and policy == "none":
-                    unbudgeted[scheme] = row
-                if engine.index is not None:
-                    engine.index.clear()
-                engine.store.check()
-                if engine.store.pages_in_use():
-                    raise RuntimeError(f"{engine.store.pages_in_use()} pages still in use after {label}")
-                attempt = f"{os.getpid()}-{time.time_ns()}"  # the lines of this measurement of the point
-                tag = label | {"attempt": attempt}
-                lines: list[dict] = []
-                fit = None
-                if policy == "none" and config.fit_fp16_requests:
-                    share = 0 if prefix == "off" else config.shared_tokens
-                    measured = fit_requests(
-                        model,
-                        scheme,
-                        probe,
-                        fit_budget,
-                        None if prefix == "off" else prefix,
-                        config.block_size,
-                        config.fit_max,
-                    )
-                    formula = memory.capacity(
-                        model.config, scheme, fit_budget, config.context, share, block_size=config.block_size
-                    ).requests
-                    fit = (measured, formula, fit_budget)
-                    lines.append(
-                        tag | dict(kind="fit", measured=measured, formula=formula, budget_bytes=fit_budget)
-                    )
-                paired = None
-                if policy == "none" and prefix != "off" and len(workload) > 1:
-                    paired = paired_ttft(model, scheme, workload, prefix, config.block_size)
-                    lines.append(tag | {"kind": "ttft_pair", "hit_s": paired[0], "miss_s": paired[1]})
-                lines += [tag | {"kind": "request"} | r for r in row.requests]
-                lines += [tag | {"kind": "timeline"} | t for t in row.timeline]
-                srow = _summary_row(row, fit, paired)
-                lines.append(
-                    tag
-                    | {
-                        "kind": "row",
-                        "summary": srow,
-                        "peak_bytes": row.peak_bytes,
-                        "running_peak_bytes": row.running_peak_bytes,
-                    }
-                )
-                _append_lines(results, lines, torn)
-                torn = False
-                summary.append(srow)
-            finished = True
-        finally:
-            if summary:
-                write_outputs(run_dir, summary, config, None if finished else (len(summary), len(points)))
-    logger.info("simulation took %.0f s", time.perf_counter() - t_start)
-    return run_dir, summary
+    )
+    return row, lines
 
 
 def _append_lines(path: Path, rows: list[dict], torn: bool) -> None:

@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
         specs = [parse_spec(s) for s in kc + vc]
         if any(s.prerope for s in map(parse_spec, vc)):
             raise SchemeError("-prerope applies to keys only; remove it from --value-candidates")
-        if any(s.codebook or s.rotate_calib for s in specs) and not args.calib:
+        if any(s.needs_calibration for s in specs) and not args.calib:
             raise SchemeError(
                 "nuqN and -crot candidates need --calib FILE (experiments/calibrate.py), or --uniform-only"
             )

@@ -945,7 +945,7 @@ def _probe(spec: _ProbeSpec, device, registry) -> str | None:
     same launcher, against `decode_attention_ref`: None when |out - ref32| <= 2 |ref - ref32| + atol
     everywhere (the tests' bound), else what differed. None too when the variant cannot be built (the
     registry has recorded that; the caller takes the reference path)."""
-    from .testing import make_paged_layer
+    from .paged import make_paged_layer
 
     group = max(spec.key_codec.token_group, spec.value_codec.token_group) if spec.has_body else 1
     body = -(-2 * BLOCK_T // group) * group if spec.has_body else 0

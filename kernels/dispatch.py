@@ -4,12 +4,13 @@
     quantize_pack(x, spec)                               the same, not paged (returns a QTensor)
     fused_attention(query, view, attention_mask, scaling)   decode attention over a layer view, or None
 
-All fall back rather than fail when a kernel cannot serve a call: the quantizers to their reference twin
-(the same bits), `fused_attention` to None, which tells `kvquant.attention` to use the PyTorch reference
-path. A variant that cannot be built on the device (OutOfResources, a ptxas or compile error) is
-remembered by the `KernelRegistry` passed in (or the view's `kernel_registry`, or a default one), logged
-once, and not tried again. Kernels run where Triton can: CUDA tensors, or any tensor under
-TRITON_INTERPRET=1.
+The cache calls them only where `kvquant.backend.layer_paths` chose the kernels for a layer (decided once,
+when the layer is built); they trust that choice and check only their own arguments. `fused_attention`
+answers None for a call whose arguments it does not serve (a query of several tokens, a float mask, a codec
+it cannot read), which tells `kvquant.attention` to use the PyTorch reference path. A variant that
+cannot be built on the device (OutOfResources, a ptxas or compile error) is remembered by the
+`KernelRegistry` passed in (or the view's `kernel_registry`, or a default one), logged once, and not tried
+again. Kernels run where Triton can: CUDA tensors, or any tensor under TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from .decode_attention import decode_attention
 from .layouts import decode_frame
 from .quantize_pack import quantize_pack as _quantize_pack_kernel
 from .quantize_pack import quantize_pack_into as _quantize_pack_into_kernel
-from .quantize_pack import quantize_pack_into_ref
 from .registry import KernelRegistry
 
 __all__ = ["quantize_pack", "quantize_pack_into", "fused_attention", "KernelRegistry"]
@@ -40,7 +40,8 @@ def _triton_runs_on(device: torch.device) -> bool:
 
 
 def quantize_pack(x: torch.Tensor, spec: QuantSpec, *, registry: KernelRegistry | None = None) -> QTensor:
-    """x (B, H_kv, T, D) -> QTensor, bit for bit `kvquant.codecs.quantize.quantize(x, spec)`."""
+    """x (B, H_kv, T, D) -> QTensor, bit for bit `kvquant.codecs.quantize.quantize(x, spec)` (which it
+    calls where Triton cannot run: this one is not a cache path, so nothing decided it beforehand)."""
     if not _triton_runs_on(x.device):
         return quantize(x, spec)
     return _quantize_pack_kernel(x, spec, registry=registry)
@@ -50,10 +51,9 @@ def quantize_pack_into(x: torch.Tensor, codec, pages: Mapping[str, torch.Tensor]
                        start: int, *, registry: KernelRegistry | None = None) -> None:
     """Encode x (B, H_kv, t, D) with codec into the body pages at region tokens [start, start + t) of
     table (B, n_pages) int64 (see kvquant.kernels.quantize_pack.quantize_pack_into). Bit for bit
-    `codec.encode(x)` written by index; the reference does it where the kernel does not run. A rotated codec
-    (`-rot` around a codec with a kernel layout) is rotated here and packed by its inner codec's kernel."""
-    if not _triton_runs_on(x.device):
-        return quantize_pack_into_ref(x, codec, pages, table, start)
+    `codec.encode(x)` written by index. Called where `kvquant.backend.layer_paths` chose it (x on a device
+    Triton runs on, a codec with a kernel layout). A rotated codec (`-rot` around a codec with a kernel
+    layout) is rotated here and packed by its inner codec's kernel."""
     frame = kernel_frame(codec, x.device)
     if frame is not None:  # a rotation around a kernel codec: rotate as codec.encode does, pack the inner's
         x, codec = frame.into(x, codec.dtype), frame.codec
@@ -76,8 +76,6 @@ def fused_attention(query: torch.Tensor, view, attention_mask: torch.Tensor | No
     A sequence with no attended token gets zeros, as SDPA's math path gives.
     """
     if query.dim() != 4 or query.shape[2] != 1 or query.dtype not in _FLOAT:
-        return None
-    if not _triton_runs_on(query.device):
         return None
     b, h_q, _, d = query.shape
     if d < 16 or d & (d - 1):

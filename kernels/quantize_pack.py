@@ -81,7 +81,7 @@ def _next_after(r, UP: tl.constexpr, KIND: tl.constexpr):
 
 @triton.jit
 def _round_to_cover(t, UP: tl.constexpr, KIND: tl.constexpr):
-    """codecs.quantize._round: nearest in the scale dtype, then one step up (UP) or down where that fell
+    """codecs.base.round_stat: nearest in the scale dtype, then one step up (UP) or down where that fell
     short of t, so a stored scale or zero never shrinks the range it covers."""
     r = _round_nearest(t, KIND)
     if KIND != 2:

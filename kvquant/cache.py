@@ -37,9 +37,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .backend import ATTN_IMPLEMENTATION, KernelHandle, check_backend, kernel_fallback, uses_kernels
+from . import quirks
+from .backend import ATTN_IMPLEMENTATION, KernelHandle, LayerPaths, check_backend, layer_paths
 from .codecs.base import Codec, Field
-from .codecs.transforms import kernel_frame
 from .memory import KVShape
 from .plan import LayerPlan
 from .scheme import Scheme, parse_scheme
@@ -70,10 +70,10 @@ class _BodyWriter:
     """Moves the token groups that have left the window into the body, encoding them once: with the codecs
     (one call over K and V when they batch), or the Triton quantize+pack kernel where it serves both."""
 
-    def __init__(self, plan: LayerPlan, backend: str, device: torch.device, registry):
-        self.plan, self.device = plan, device
+    def __init__(self, plan: LayerPlan, paths: LayerPaths):
+        self.plan = plan
         self.key_codec, self.value_codec = plan.key_codec, plan.value_codec
-        self._encode = _kernel_encoder(backend, device, registry)
+        self._encode = _kernel_encoder(paths)
 
     def flush(
         self, t: LayerTables, p1: int, q0: int, k: torch.Tensor, v: torch.Tensor
@@ -102,8 +102,7 @@ class _BodyWriter:
         start = t.body_len
         table, offset = t.body_slot(k.shape[2])
         kc, vc = self.key_codec, self.value_codec
-        served = self._encode is not None and all(kernel_frame(c, self.device) is not None for c in (kc, vc))
-        if served:  # the kernel encoder (it rotates a `-rot` codec's tokens as codec.encode does)
+        if self._encode is not None:  # the kernel encoder (it rotates `-rot` tokens as codec.encode does)
             for prefix, codec, x in (("k.", kc, k), ("v.", vc, v)):
                 pages = {name: t.body_pool.tensors[prefix + name] for name in codec.fields()}
                 self._encode(x, codec, pages, table, offset)
@@ -351,13 +350,9 @@ class QuantizedLayer(_BeamOps, _Inspect, CacheLayerMixin):
         self.tables = self.store.tables_for(
             self.layer_idx, self.plan, b, capacity=self.capacity, dtype=dtype, device=device
         )
-        self._registry = self.kernels.registry() if uses_kernels(self.backend, self.device) else None
-        self._writer = _BodyWriter(self.plan, self.backend, self.device, self._registry)
-        if self._registry is not None:
-            for codec in (self.key_codec, self.value_codec):
-                line = kernel_fallback(codec, self.device)  # names what the reference path serves, if any
-                if line:
-                    self.kernels.note_once(line)
+        # the one backend decision for this layer (kvquant.backend): appends and decode steps follow it
+        self.paths = layer_paths(self.backend, self.device, self.key_codec, self.value_codec, d, self.kernels)
+        self._writer = _BodyWriter(self.plan, self.paths)
         self.is_initialized = True
 
     # ---- transformers' CacheLayerMixin interface
@@ -432,7 +427,7 @@ class QuantizedLayer(_BeamOps, _Inspect, CacheLayerMixin):
             fresh_k=fresh_k,
             fresh_v=fresh_v,
             fresh_start=fresh_start,
-            kernel_registry=self._registry,
+            kernel_registry=self.paths.registry if self.paths.attend else None,
             plan=self.plan,
         )
 
@@ -596,13 +591,13 @@ def _model_rope(config):
         raise ValueError(f"-prerope: {e}") from None
 
 
-def _kernel_encoder(backend: str, device: torch.device, registry):
-    """The Triton quantize+pack-into-pages entry point when the backend selects kernels, else None."""
-    if not uses_kernels(backend, device):
+def _kernel_encoder(paths: LayerPaths):
+    """The Triton quantize+pack-into-pages entry point when the layer's paths encode with it, else None."""
+    if not paths.encode:
         return None
     from .kernels.dispatch import quantize_pack_into  # lazy: `import kvquant` never imports triton
 
-    return functools.partial(quantize_pack_into, registry=registry)
+    return functools.partial(quantize_pack_into, registry=paths.registry)
 
 
 def _check_shared_store(store: KVStore, scheme: Scheme, config) -> None:
@@ -688,14 +683,13 @@ class QuantizedCache(Cache):
             shape = KVShape.from_config(config)
             self.scheme.check_head_dim(shape.head_dim)
             self.scheme.check_num_layers(shape.num_layers)
-            text = config.get_text_config() if hasattr(config, "get_text_config") else config
-            positions = getattr(text, "max_position_embeddings", None)
-            if isinstance(positions, int) and positions > 0:  # a token group the model can never fill
+            positions = quirks.max_positions(config)
+            if positions is not None:  # a token group the model can never fill
                 self.scheme.check_positions(positions, page_size=block_size)
             if calib is not None:
                 calib.check_model(shape, self.scheme)
             rope = _model_rope(config) if self.scheme.prerope else None
-            self._expect = _Expect(getattr(text, "_attn_implementation", None))
+            self._expect = _Expect(getattr(quirks.text_config(config), "_attn_implementation", None))
             layers = [
                 QuantizedLayer(
                     self.scheme.for_layer(i),

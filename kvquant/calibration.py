@@ -17,10 +17,9 @@ A scheme names the file with `calib=NAME.safetensors`; `kvquant.QuantizedCache` 
 differ).
 
 Fitting (`fit_codebook`): Lloyd-Max (1-D k-means) on a seeded random sample of the normalized values, from the
-sample's quantiles, so the levels minimize the mean squared error of the normalized values. Collection
-(`collect`): one forward per calibration document through the model with an ordinary cache; each layer's K
-and V (keys un-rotated for `-prerope` specs) are normalized exactly as
-`kvquant.codecs.base.CodebookCodec.normalize` does at run time.
+sample's quantiles, so the levels minimize the mean squared error of the normalized values. Running a model
+over calibration text to fit every table (`calibrate`, `collect`) is `kvquant.fitting`'s: it asks the codecs
+(this module sits below them, and `kvquant.codecs.calibrot` fits against `fit_codebook` and `Entry`).
 """
 
 from __future__ import annotations
@@ -34,7 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .scheme import CALIBRATE_COMMAND, QuantSpec, Scheme, SchemeError, parse_spec
+from .calibfile import CalibrationError  # noqa: F401  (re-exported: raised by this module's readers)
+from .calibfile import calib_paths as _paths
+from .scheme import CALIBRATE_COMMAND, QuantSpec, Scheme, parse_spec
+from .spec_types import CalibRotate, Codebook
 
 if TYPE_CHECKING:  # torch is imported where it is used: `budget=B` parses through this module without it
     import torch
@@ -43,10 +45,8 @@ __all__ = [
     "Calibration",
     "CalibrationError",
     "Entry",
-    "calibrate",
     "metadata",
     "spec_entries",
-    "collect",
     "entries_for",
     "fit_codebook",
     "load_calibration",
@@ -54,10 +54,6 @@ __all__ = [
 ]
 
 FORMAT = "kvquant-calibration/1"
-
-
-class CalibrationError(SchemeError):
-    """A calibration file that is missing, unreadable, or lacks what a scheme needs; says how to make it."""
 
 
 @dataclass(frozen=True)
@@ -77,8 +73,8 @@ class Entry:
 
 def spec_tables(layer: int, role: str, spec: QuantSpec) -> list[Entry]:
     """The tables one spec needs at one layer and role: a rotation (-crot) and/or a codebook (nuqN)."""
-    out = [Entry(layer, role, spec, "rotation")] if spec.rotate_calib else []
-    return out + ([Entry(layer, role, spec)] if spec.codebook else [])
+    out = [Entry(layer, role, spec, "rotation")] if CalibRotate() in spec.transforms else []
+    return out + ([Entry(layer, role, spec)] if isinstance(spec.family, Codebook) else [])
 
 
 def entries_for(scheme: Scheme, num_layers: int) -> list[Entry]:
@@ -90,15 +86,6 @@ def entries_for(scheme: Scheme, num_layers: int) -> list[Entry]:
         for role, spec in (("k", s.key), ("v", s.value)):
             out += spec_tables(i, role, spec)
     return out
-
-
-def _paths(path: str | os.PathLike) -> tuple[Path, Path]:
-    p = Path(path)
-    if p.suffix == ".json":
-        p = p.with_suffix(".safetensors")
-    elif p.suffix != ".safetensors":
-        p = p.with_name(p.name + ".safetensors")
-    return p, p.with_suffix(".json")
 
 
 @dataclass
@@ -231,113 +218,6 @@ def fit_codebook(
     return torch.tensor(levels, dtype=torch.float32)
 
 
-def collect(
-    model,
-    documents: Sequence[torch.Tensor],
-    entries: Iterable[Entry],
-    *,
-    max_samples: int = 1_000_000,
-    seed: int = 0,
-    progress=None,
-) -> dict[str, torch.Tensor]:
-    """Normalized calibration values per table: {entry name: 1-D float32 sample}. documents: token ids
-    (1, T) each, run one forward each with a DynamicCache; the K/V of every layer are normalized by the
-    entry's codec."""
-    import torch
-
-    with torch.inference_mode():
-        return _collect(model, documents, entries, max_samples=max_samples, seed=seed, progress=progress)
-
-
-def _collect(model, documents, entries, *, max_samples: int, seed: int, progress) -> dict:
-    import torch
-    from transformers import DynamicCache
-
-    from .codecs.base import codec_for
-    from .memory import KVShape
-
-    entries = list(entries)
-    shape = KVShape.from_config(model.config)
-    rope = None
-    if any(e.spec.prerope for e in entries):
-        from .rope import Rope
-
-        rope = Rope.from_config(model.config)
-    per_doc = max(max_samples // max(len(documents), 1), 1)
-    g = torch.Generator().manual_seed(seed)
-
-    # specs that differ only in bits normalize alike: one sample per (layer, role, spec at 4 bits)
-    def norm_key(e: Entry) -> tuple[int, str, QuantSpec]:
-        return e.layer, e.role, dataclasses.replace(e.spec, bits=4)
-
-    keys = {norm_key(e) for e in entries}
-    samples: dict[tuple, list[torch.Tensor]] = {k: [] for k in keys}
-    for n, ids in enumerate(documents):
-        cache = DynamicCache(config=model.config)
-        model.get_decoder()(input_ids=ids, cache=cache, use_cache=True)  # no logits needed
-        for layer_idx, role, spec in sorted(keys, key=str):
-            layer = cache.layers[layer_idx]
-            x = (layer.keys if role == "k" else layer.values).float()  # (1, H, T, D) at positions 0..
-            codec = codec_for(spec, shape.num_kv_heads, shape.head_dim, torch.float32, rope=rope)
-            t = x.shape[2] - x.shape[2] % codec.token_group
-            v = codec.codebook_values(x[:, :, :t], 0).flatten()  # normalized as the codec does (RoPE undone)
-            if v.numel() > per_doc:
-                v = v[torch.randperm(v.numel(), generator=g)[:per_doc]]
-            samples[(layer_idx, role, spec)].append(v.clone())
-        del cache
-        if progress is not None:
-            progress(n + 1, len(documents))
-    return {e.name: torch.cat(samples[norm_key(e)]) for e in entries}
-
-
-def calibrate(
-    model,
-    documents: Sequence[torch.Tensor],
-    entries: Iterable[Entry],
-    *,
-    seed: int = 0,
-    max_samples: int = 1_000_000,
-    progress=None,
-    rotation_docs: int = 2,
-    rotation_tokens: int = 1024,
-    rotation_steps: int = 100,
-    rotation_queries: int = 128,
-    report: list | None = None,
-) -> dict[str, torch.Tensor]:
-    """Fit every entry's table on the documents: {entry name: levels or rotation}.
-
-    Codebooks of specs without -crot: `collect` on every document, then `fit_codebook`. -crot specs
-    (`kvquant.codecs.calibrot.fit_rotations`, rotation and codebook): the first `rotation_docs` documents cut
-    to `rotation_tokens`, `rotation_steps` Adam steps on `rotation_queries` sampled queries per document; the
-    next document (cut alike), when there is one, is held out and scored into `report`."""
-    entries = list(entries)
-    plain = [e for e in entries if not e.spec.rotate_calib]
-    tables = {}
-    if plain:
-        values = collect(model, documents, plain, max_samples=max_samples, seed=seed, progress=progress)
-        tables = {
-            e.name: fit_codebook(values[e.name], e.spec.bits, seed=seed, max_samples=max_samples)
-            for e in plain
-        }
-    crot = [e for e in entries if e.spec.rotate_calib]
-    if crot:
-        from .codecs.calibrot import fit_rotations
-
-        docs = [d[:, :rotation_tokens] for d in documents]
-        tables |= fit_rotations(
-            model,
-            docs[:rotation_docs],
-            crot,
-            held_out=docs[rotation_docs : rotation_docs + 1],
-            steps=rotation_steps,
-            queries=rotation_queries,
-            seed=seed,
-            max_samples=max_samples,
-            report=report,
-        )
-    return tables
-
-
 def metadata(model_name: str, shape, schemes: Sequence[str], entries: Sequence[Entry], **extra) -> dict:
     """The JSON side of a calibration file."""
     from . import __version__
@@ -361,39 +241,6 @@ def spec_entries(specs: Iterable[str | QuantSpec], role: str, num_layers: int) -
 
 
 # ------------------------------------------------------------------------------------------------ budget=B
-
-
-def resolve_budget(budget: float, calib: str, sink: int | None = None, window: int | None = None) -> Scheme:
-    """`budget=B,calib=FILE`: the per-layer scheme `experiments/allocate.py --write-calib` stored in FILE's
-    JSON for B average bits (with its sink and window; a sink= / window= given beside budget= must match
-    them), with calib=FILE. Reads the JSON side only (no torch)."""
-    from .scheme import parse_scheme
-
-    _, js = _paths(calib)
-    if not js.is_file():
-        raise CalibrationError(
-            f"budget={budget:g}: calibration file {js} does not exist; write it with "
-            "experiments/calibrate.py, then `python experiments/allocate.py "
-            f"--budget-bits {budget:g} --calib {calib} --write-calib`"
-        )
-    meta = json.loads(js.read_text())
-    allocations = meta.get("allocations", [])
-    for a in allocations:
-        if abs(float(a["budget_bits"]) - budget) > 1e-9:
-            continue
-        scheme = parse_scheme(f"{a['scheme']},calib={calib}")  # stored without calib=: this file is it
-        for name, want in (("sink", sink), ("window", window)):
-            if want is not None and want != getattr(scheme, name):
-                raise CalibrationError(
-                    f"budget={budget:g} in {js} was allocated with {name}={getattr(scheme, name)}, not "
-                    f"{name}={want}; drop {name}= or allocate again with --{name} {want} --write-calib"
-                )
-        return scheme
-    have = ", ".join(f"budget={float(a['budget_bits']):g}" for a in allocations) or "none"
-    raise CalibrationError(
-        f"calibration file {js} holds no allocation for budget={budget:g} (it holds {have}); run `python "
-        f"experiments/allocate.py --budget-bits {budget:g} --calib {calib} --write-calib`"
-    )
 
 
 def store_allocation(calib: str, budget: float, scheme: Scheme, **facts) -> Path:

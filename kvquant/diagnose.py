@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .scheme import Granularity, QuantSpec, Scheme, SchemeError, parse_scheme, parse_spec
+from . import quirks
+from .scheme import QuantSpec, Scheme, SchemeError, parse_scheme, parse_spec
+from .spec_types import FP8, Center, TokenGroups
 
 __all__ = [
     "K_CANDIDATES",
@@ -168,8 +170,7 @@ def probe_ids(config, tokens: int = 256, seed: int = 0) -> torch.Tensor:
     """(1, tokens) token ids drawn uniformly from the vocabulary: enough to show a key bias (it does not
     depend on the text) when no calibration text is at hand."""
     g = torch.Generator().manual_seed(seed)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return torch.randint(0, text.vocab_size, (1, tokens), generator=g)
+    return torch.randint(0, quirks.text_config(config).vocab_size, (1, tokens), generator=g)
 
 
 @torch.no_grad()
@@ -281,9 +282,9 @@ def keys_at_risk(scheme: Scheme | str) -> list[QuantSpec]:
         s
         for s in dict.fromkeys(keys)
         if s.is_quantized
-        and s.fp8 is None
-        and s.center is None
-        and s.granularity in (Granularity.TOKEN, Granularity.HEAD, Granularity.GROUP)
+        and not isinstance(s.family, FP8)
+        and not isinstance(s.grain, TokenGroups)  # per channel over tokens: the offset shares its scale
+        and not any(isinstance(t, Center) for t in s.transforms)
     ]
 
 
@@ -325,6 +326,7 @@ class OffsetWarner:
         """The warning with a recommended scheme, or None when no key spec of the scheme is predicted to
         collapse. Costs nothing for a scheme whose keys cannot (channel-wise, -center, fp8); otherwise one
         forward over the probe per model, and the SQNR of the candidates and the scheme's key specs."""
+        scheme = parse_scheme(scheme)  # parsed once, here at the entry point
         at_risk = [str(s) for s in keys_at_risk(scheme)]
         if not at_risk:
             return None
@@ -344,12 +346,12 @@ class OffsetWarner:
         specs = ", ".join(f"{s} ({db:+.1f} dB)" for s, db in collapsing)
         msg = (
             f"this model's keys carry per-channel offsets up to {ratio:.0f}x their token-to-token spread "
-            f"(layer {layer}), and scheme {parse_scheme(scheme)} quantizes keys so that the variation "
+            f"(layer {layer}), and scheme {scheme} quantizes keys so that the variation "
             f"attention sees drowns in noise (worst-layer signal SQNR: {specs}; below {COLLAPSE_DB:g} dB): "
             f"expect a collapse. Recommended: {diag.recommended} (or channel-wise keys, e.g. "
             f"k=int4-channel-g64); details: python experiments/diagnose.py --model {name or 'MODEL'}"
         )
-        key = (id(model), str(parse_scheme(scheme)))
+        key = (id(model), str(scheme))
         if key not in self._warned:
             self._warned.add(key)
             logger.warning(msg)

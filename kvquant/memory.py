@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import quirks
 from .codecs.base import codec_for
 from .plan import LayerPlan
 from .scheme import QuantSpec, Scheme, parse_scheme
@@ -52,17 +53,17 @@ class KVShape:
 
     @classmethod
     def from_config(cls, config) -> KVShape:
-        """From a transformers config (or a KVShape, returned as is). Sliding-window layers come from the
-        config's `layer_types` ("sliding_attention") and `sliding_window`."""
+        """From a transformers config (or a KVShape, returned as is); the shape and the sliding-window
+        layers as `kvquant.quirks` reads them."""
         if isinstance(config, KVShape):
             return config
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        window = getattr(text, "sliding_window", None)
-        types = getattr(text, "layer_types", None) or ()
-        sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention") if window else ()
-        return cls(text.num_hidden_layers, heads, head_dim, window if sliding else None, sliding)
+        a = quirks.attention_shape(config)
+        if None in (a.num_layers, a.num_kv_heads, a.head_dim):
+            raise ValueError(f"{type(config).__name__} does not give the KV cache's shape ({a})")
+        windows = quirks.layer_windows(config) or ()
+        sliding = tuple(i for i, w in enumerate(windows) if w is not None)
+        window = windows[sliding[0]] if sliding else None
+        return cls(a.num_layers, a.num_kv_heads, a.head_dim, window, sliding)
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of `layer`, or None for a full-attention layer."""

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .paths import cache_root  # re-exported: kvquant.models.cache_root is where callers found it
+
 if TYPE_CHECKING:
     import torch
 
@@ -127,10 +129,6 @@ def assemble_known_model(name: str) -> Path:
                          "reinstall its wheels")
     tmp.replace(dest)
     return dest
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVQUANT_CACHE", Path.home() / ".cache" / "kvquant"))
 
 
 def default_model_dir() -> Path:

@@ -31,22 +31,11 @@ import importlib
 
 import torch
 
+from .quirks import ROTATE_HALF_MODELS, rope_config
+
 __all__ = ["Rope", "RopeError", "SUPPORTED_ROPE_TYPES", "ROTATE_HALF_MODELS"]
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# model types whose attention applies transformers' rotate-half RoPE to all of head_dim, one RoPE for all
-# layers
-ROTATE_HALF_MODELS = (
-    "llama",
-    "mistral",
-    "mixtral",
-    "qwen2",
-    "qwen2_moe",
-    "qwen3",
-    "qwen3_moe",
-    "granite",
-    "olmo2",
-)
 
 
 class RopeError(ValueError):
@@ -70,34 +59,27 @@ class Rope:
     @classmethod
     def from_config(cls, config) -> Rope:
         """The rotary embedding a transformers model builds from `config` (RopeError if unsupported)."""
-        text = config.get_text_config() if hasattr(config, "get_text_config") else config
-        model_type = getattr(text, "model_type", None)
+        rc = rope_config(config)
+        model_type, params, rope_type = rc.model_type, rc.parameters, rc.rope_type
         if model_type not in ROTATE_HALF_MODELS:
             raise RopeError(
                 f"-prerope cannot invert the RoPE of model type {model_type!r}; supported model types: "
                 f"{', '.join(ROTATE_HALF_MODELS)} "
                 "(rotate-half RoPE over the full head dim, one for all layers)"
             )
-        params = getattr(text, "rope_parameters", None) or {}
-        rope_type = (
-            params.get("rope_type", params.get("type", "default")) if isinstance(params, dict) else None
-        )
         if rope_type not in SUPPORTED_ROPE_TYPES:
             raise RopeError(
                 f"-prerope does not support RoPE type {rope_type!r} ({params}); supported: "
                 f"{', '.join(SUPPORTED_ROPE_TYPES)} "
                 "(dynamic and longrope change their frequencies with the length)"
             )
-        if (
-            float(params.get("partial_rotary_factor", getattr(text, "partial_rotary_factor", 1.0)) or 1.0)
-            != 1.0
-        ):
+        if rc.partial_rotary_factor != 1.0:
             raise RopeError("-prerope supports RoPE over the full head dim only (partial_rotary_factor != 1)")
         module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
         rotary = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding")]
         if len(rotary) != 1:
             raise RopeError(f"cannot find the rotary embedding of model type {model_type!r}")
-        emb = rotary[0](text)
+        emb = rotary[0](rc.text)
         return cls(emb.inv_freq, emb.attention_scaling, rope_type)
 
     def cos_sin(

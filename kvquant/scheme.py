@@ -80,12 +80,65 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import enum
 import math
 import re
 from dataclasses import dataclass, field
 
+from .spec_types import (
+    DEFAULT_CENTER,
+    ENGINE_FORMATS,
+    FP8,
+    MAX_SEED,
+    MAX_TOKENS,
+    SPEC_FAMILIES,
+    TURBO_BLOCK,
+    CalibRotate,
+    Center,
+    ChannelGroups,
+    Codebook,
+    Dense,
+    EngineFormat,
+    Family,
+    Grain,
+    Granularity,
+    Outliers,
+    PerHead,
+    PerToken,
+    Rotate,
+    SchemeError,
+    TokenGroups,
+    Transform,
+    TurboSpec,
+    UniformInt,
+    VLLMCacheDtype,
+    engine_family,
+    family_bits,
+    grain_of,
+    rotation_block,
+)
+
 __all__ = [
+    # the typed parts of a spec (kvquant.spec_types), re-exported
+    "CalibRotate",
+    "Center",
+    "ChannelGroups",
+    "Codebook",
+    "Dense",
+    "EngineFormat",
+    "FP8",
+    "Outliers",
+    "PerHead",
+    "PerToken",
+    "Rotate",
+    "TokenGroups",
+    "UniformInt",
+    "VLLMCacheDtype",
+    "ENGINE_FORMATS",
+    "MAX_SEED",
+    "MAX_TOKENS",
+    "DEFAULT_CENTER",
+    "TURBO_BLOCK",
+    "rotation_block",
     "Granularity",
     "LayerSpecs",
     "QuantSpec",
@@ -101,19 +154,6 @@ __all__ = [
 ]
 
 
-class SchemeError(ValueError):
-    """A scheme string or config that cannot be used; the message names the bad part and what is valid."""
-
-
-class Granularity(str, enum.Enum):
-    """Which elements of a (B, H_kv, T, D) tensor share one scale (and zero)."""
-
-    TOKEN = "token"  # (B, H, T, D) -> scale (B, 1, T, 1)
-    HEAD = "head"  # (B, H, T, D) -> scale (B, H, T, 1)
-    GROUP = "group"  # (B, H, T, D) -> scale (B, H, T, D // N)
-    CHANNEL = "channel"  # (B, H, T, D) -> scale (B, H, T // N, D)
-
-
 # Stored-scale dtypes by name: this module never imports torch (CLIs validate schemes before heavy imports);
 # `kvquant.codecs.base.torch_dtype` maps a name to its torch dtype.
 SCALE_DTYPES: tuple[str, ...] = ("fp16", "bf16", "fp32")
@@ -124,43 +164,7 @@ CALIBRATE_COMMAND = (
     "python experiments/calibrate.py --model MODEL --scheme '{scheme}' --out calib/NAME.safetensors"
 )
 FP8_KINDS: tuple[str, ...] = ("e4m3", "e5m2")  # torch.float8_e4m3fn, torch.float8_e5m2
-DEFAULT_CENTER = 64  # tokens per stored key offset of `-center`
 MAX_OUTLIER_PERCENT = 25.0
-# Engine block formats (`kvquant.codecs.engine`), by canonical spec name: (nominal bits per value, values per
-# block along head_dim). llama.cpp's names are its -ctk / -ctv cache types; MXFP4 / NVFP4 are ggml's blocks.
-ENGINE_FORMATS: dict[str, tuple[int, int]] = {
-    "llama.cpp:q8_0": (8, 32),
-    "llama.cpp:q4_0": (4, 32),
-    "llama.cpp:q4_1": (4, 32),
-    "llama.cpp:q5_0": (5, 32),
-    "llama.cpp:q5_1": (5, 32),
-    "llama.cpp:iq4_nl": (4, 32),
-    "mxfp4": (4, 32),
-    "nvfp4": (4, 64),
-    # vLLM's --kv-cache-dtype values (`kvquant.codecs.engine_vllm`): one scale per tensor or per (token, head)
-    "vllm:fp8_e4m3": (8, 1),
-    "vllm:fp8_e5m2": (8, 1),
-    "vllm:int8_per_token_head": (8, 1),
-    "vllm:fp8_per_token_head": (8, 1),
-    # vLLM's TurboQuant presets, one spec per half (`kvquant.codecs.engine_vllm.TurboQuantCodec`): the scheme
-    # item `vllm:turboquant_4bit_nc` expands to k=vllm:turboquant_4bit_nc.k,v=vllm:turboquant_4bit_nc.v
-    "vllm:turboquant_k8v4.k": (8, 1),
-    "vllm:turboquant_k8v4.v": (4, 2),
-    "vllm:turboquant_4bit_nc.k": (4, 2),
-    "vllm:turboquant_4bit_nc.v": (4, 2),
-    "vllm:turboquant_k3v4_nc.k": (3, 8),
-    "vllm:turboquant_k3v4_nc.v": (4, 2),
-    "vllm:turboquant_3bit_nc.k": (3, 8),
-    "vllm:turboquant_3bit_nc.v": (3, 8),
-    # llama.cpp's attention rotation (`kvquant.codecs.engine`): the plain names rotate when head_dim % 64 == 0
-    # (llama.cpp's default since April 2026), -norot never (LLAMA_ATTN_ROT_DISABLE=1), -rot always (refused
-    # when head_dim is not a multiple of 64)
-    **{
-        f"llama.cpp:{t}-{r}": (b, 64 if r == "rot" else 32)
-        for t, b in (("q8_0", 8), ("q4_0", 4), ("q4_1", 4), ("q5_0", 5), ("q5_1", 5), ("iq4_nl", 4))
-        for r in ("norot", "rot")
-    },
-}
 TURBOQUANT_PRESET_NAMES: tuple[str, ...] = (
     "turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc"
 )
@@ -174,9 +178,8 @@ ENGINE_REFUSED: dict[str, str] = {
     "ggml's block of the same 4.5 bits (per-tensor scale 1.0)",
 }
 # Bounds that no real configuration reaches, so a typo (an extra digit, a pasted number) is refused at parse
-# time instead of reserving gigabytes or overflowing a random generator later:
-MAX_SEED = 2**31 - 1  # -rotS seeds a torch.Generator; 31 bits are portable (numpy, torch, every platform)
-MAX_TOKENS = 1 << 24  # sink, window, token groups and -center: 16M tokens, beyond every model's positions
+# time instead of reserving gigabytes or overflowing a random generator later (MAX_SEED, MAX_TOKENS: in
+# `kvquant.spec_types`):
 MAX_CHANNELS = 1 << 16  # a -gN channel group must divide head_dim; no model's head_dim comes near 65536
 MAX_LAYERS = 1 << 16  # layers= ranges
 PAGE_SIZE = 16  # tokens per page of the default store (`KVStore(block_size=16)`): pages hold lcm(16, group)
@@ -184,156 +187,15 @@ PAGE_SIZE = 16  # tokens per page of the default store (`KVStore(block_size=16)`
 _NOT_SPECS = ("bf16", "fp32", "none", "int16", "float16", "bfloat16", "float32", "half")
 
 
-def rotation_block(head_dim: int) -> int:
-    """Size of the Walsh-Hadamard blocks `-rot` applies over D: the largest power of two dividing head_dim
-    (all of D for 64, 128, 256; 32 for 96: a block-diagonal rotation)."""
-    return head_dim & -head_dim
-
-
 def outlier_count(percent: float, head_dim: int) -> int:
     """Values kept exact per (token, head) vector by `-outP`: ceil(P% of D), at least 1."""
-    return max(1, math.ceil(percent * head_dim / 100 - 1e-9))
-
-
-TURBO_ROTATIONS = ("dense", "hadamard")
-TURBO_BLOCK = 16  # tokens per choice of outlier channels (one page of the default store)
-_TURBO_RE = re.compile(
-    r"^turbo(?P<bits>\d)(?:\.(?P<frac>25|5|75))?(?P<qjl>-qjl)?(?P<had>-had)?(?P<nc>-nc)?"
-    r"(?:-seed(?P<seed>\d{1,10}))?(?:-block(?P<block>\d{1,8}))?$"
-)
+    return Outliers(percent).count(head_dim)
 
 
 @dataclass(frozen=True)
-class TurboSpec:
-    """TurboQuant (Zandieh et al., ICLR 2026; `kvquant.codecs.turbo`): per (token, head) vector, its norm
-    (fp16) and a random rotation of its direction quantized coordinate by coordinate with Lloyd-Max levels
-    of the rotated coordinate's distribution.
-
-    bits: bits per coordinate of the regular channels, the QJL bit included (1..4).
-    high: quarters of the D channels (0..3) that are outlier channels at bits + 1, each group its own
-        TurboQuant instance (norm, rotation, levels): `turbo2.25` = D/4 channels at 3 bits, 3D/4 at 2.
-    qjl: the MSE stage at bits - 1 and a 1-bit QJL sketch of the residual with its norm (TurboQuant_prod).
-    rotation: "dense" (Haar orthogonal from a QR, the paper's) or "hadamard" (kvquant's -rot: H diag(s)).
-    norm_correction: store norm / |decoded direction| so the decoded vector keeps the input's norm.
-    seed: seeds the rotations and the QJL projection.
-    block: tokens per choice of outlier channels (split specs: a D-bit mask per head every `block` tokens).
-    """
-
-    bits: int
-    high: int = 0
-    qjl: bool = False
-    rotation: str = "dense"
-    norm_correction: bool = False
-    seed: int = 0
-    block: int = TURBO_BLOCK
-
-    def __post_init__(self) -> None:
-        ints = (self.bits, self.high, self.seed, self.block)
-        if any(isinstance(n, bool) or not isinstance(n, int) for n in ints):
-            raise SchemeError(f"turbo bits, high, seed and block must be integers, got {ints}")
-        top = self.bits + (self.high > 0)
-        if not (1 <= self.bits <= 4 and 0 <= self.high <= 3 and top <= 4):
-            raise SchemeError(
-                f"turbo{self.code_bits:g}: codes have 1..4 bits (outlier channels at bits + 1 <= 4), and "
-                "0..3 quarters of the channels are outliers: turbo1 .. turbo4, turbo2.5, turbo3.5, turbo3.75"
-            )
-        if self.qjl and self.bits < 2:
-            raise SchemeError("-qjl spends one of the bits on the QJL sketch: it needs turbo2 or more")
-        if self.rotation not in TURBO_ROTATIONS:
-            known = ", ".join(TURBO_ROTATIONS)
-            raise SchemeError(f"unknown turbo rotation {self.rotation!r}; known: {known}")
-        if not 0 <= self.seed <= MAX_SEED:
-            raise SchemeError(f"turbo -seed{self.seed}: the seed must lie in 0..{MAX_SEED}")
-        if not 1 <= self.block <= MAX_TOKENS:
-            raise SchemeError(f"turbo -block{self.block}: 1..{MAX_TOKENS:,} tokens per outlier choice")
-        if self.block != TURBO_BLOCK and not self.high:
-            raise SchemeError("-blockN (how often outliers are chosen) is for split specs only (turbo2.5)")
-
-    @property
-    def code_bits(self) -> float:
-        """Code bits per coordinate, averaged over D (norms and masks not counted): the spec's number."""
-        return self.bits + self.high / 4
-
-    @property
-    def token_group(self) -> int:
-        return self.block if self.high else 1
-
-    def groups(self, head_dim: int) -> tuple[tuple[int, int], ...]:
-        """(channels, code bits) of each TurboQuant instance: the outlier group first, the QJL bit
-        excluded (the MSE stage's bits)."""
-        mse = self.bits - self.qjl
-        n_high = head_dim * self.high // 4
-        if not n_high:
-            return ((head_dim, mse),)
-        return ((n_high, mse + 1), (head_dim - n_high, mse))
-
-    def check_head_dim(self, head_dim: int) -> None:
-        if head_dim % 8 or head_dim < 8 or (self.high and head_dim % 32):
-            raise SchemeError(
-                f"turbo{self.code_bits:g} needs a head_dim that is a multiple of 8 (32 for an outlier split, "
-                f"so each group packs whole bytes); got {head_dim}"
-            )
-        if self.rotation == "hadamard":
-            bad = [n for n, _ in self.groups(head_dim) if n & (n - 1)]
-            if bad:
-                raise SchemeError(
-                    f"turbo -had rotates each channel group with a Walsh-Hadamard transform, which needs a "
-                    f"power of two; groups of {bad} channels are not: drop -had (dense rotation) or use "
-                    "turbo2.5 / turbo3.5 (halves)"
-                )
-
-    @classmethod
-    def parse(cls, text: str) -> TurboSpec:
-        m = _TURBO_RE.match(text)
-        if not m:
-            raise SchemeError(
-                "write turbo<bits>[.25|.5|.75][-qjl][-had][-nc][-seedS][-blockN] "
-                "(options in this order), e.g. turbo3, turbo3.5, turbo2.5-qjl, turbo3-had-nc"
-            )
-        frac = {None: 0, "25": 1, "5": 2, "75": 3}[m["frac"]]
-        return cls(
-            int(m["bits"]), frac, bool(m["qjl"]), "hadamard" if m["had"] else "dense", bool(m["nc"]),
-            int(m["seed"] or 0), int(m["block"] or TURBO_BLOCK),
-        )
-
-    def __str__(self) -> str:
-        parts = [f"turbo{self.code_bits:g}"]
-        parts += [opt for on, opt in ((self.qjl, "qjl"), (self.rotation == "hadamard", "had"),
-                                      (self.norm_correction, "nc")) if on]
-        parts += [f"seed{self.seed}"] * (self.seed != 0)
-        parts += [f"block{self.block}"] * (self.block != TURBO_BLOCK)
-        return "-".join(parts)
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """How one of K or V is quantized.
-
-    bits: 16 (kept as is), 8, 4 or 2.
-    granularity: see `Granularity`.
-    group_size: channels per group (GROUP) or tokens per group (CHANNEL); None otherwise.
-    symmetric: absmax with signed codes, or min/max with a float zero point.
-    scale_dtype: name of the dtype of stored scales and zeros ("fp16", "bf16", "fp32"); None stores them
-        in the K/V dtype.
-    codebook: non-uniform levels (`nuqN`): each block is normalized to [-1, 1] by its scale (and centre) and
-        each value coded as the nearest of 2^bits levels fitted offline per layer and K/V (a calibration
-        file).
-    prerope: keys stored before the rotary embedding (the cache inverts the model's RoPE on the way in and
-        re-applies it on read); keys only.
-    fp8: "e4m3" or "e5m2": FP8 codes (bits 8, absmax-scaled, so symmetric) instead of integers.
-    center: tokens per stored per-(head, channel) offset subtracted before quantizing (`-centerN`).
-    rotate: seed of the random signs of the Walsh-Hadamard rotation applied before quantizing (`-rotS`).
-    rotate_calib: `-crot`: the rotation is a calibrated orthogonal matrix per layer and K/V from the
-        calibration file (`kvquant.codecs.calibrot`), not the seeded Hadamard; rotate is then 0.
-    outliers: percent of each (token, head) vector's largest magnitudes kept exact (`-outP`).
-    unit_scale: fp8 only (`-tensor`): one fixed unit scale for everything, nothing stored (granularity
-        unused).
-    engine: an engine's block format (a key of `ENGINE_FORMATS`: `llama.cpp:q4_0`, `mxfp4`, ...), stored as
-        the engine lays it out (`kvquant.codecs.engine`); bits is then the format's nominal width (set from
-        it) and every other option stays at its default (only -prerope combines with it).
-    turbo: TurboQuant (`TurboSpec`, `turboB...`); bits is then its code bits rounded up and every other
-        option stays at its default (only -prerope combines with it).
-    """
+class _FlatSpec:
+    """The flat keyword form of a spec, checked and made canonical: what `QuantSpec(bits, ...)` takes (see
+    its docstring). `QuantSpec` turns it into its typed parts."""
 
     bits: int
     granularity: Granularity = Granularity.TOKEN
@@ -371,24 +233,7 @@ class QuantSpec:
             raise SchemeError(f"unknown granularity {self.granularity!r}; known: {known}") from None
         self._check_research()
         if self.bits == 16:
-            # anything else would print as `fp16` and parse back as a different spec
-            if (
-                self.group_size is not None
-                or self.granularity is not Granularity.TOKEN
-                or self.symmetric
-                or self.scale_dtype is not None
-                or self.codebook
-            ):
-                raise SchemeError(
-                    "fp16 takes no granularity, group size, symmetry or scale dtype (only -prerope)"
-                )
-            if (
-                self.fp8 is not None
-                or self.center is not None
-                or self.outliers is not None
-                or self.unit_scale
-            ):
-                raise SchemeError("fp16 takes no fp8 kind, -tensor, -center or -out (only -rot: fp16-rot)")
+            self._check_fp16()
             return
         if self.unit_scale:
             if self.fp8 is None:
@@ -398,6 +243,33 @@ class QuantSpec:
                 )
             if self.scale_dtype is not None or self.granularity is not Granularity.TOKEN:
                 raise SchemeError("fp8 -tensor stores no scale, so it takes no granularity or scale dtype")
+        self._check_group()
+        if self.scale_dtype is not None and not isinstance(self.scale_dtype, str):
+            # a torch dtype given directly (torch.float16 prints as "torch.float16"); stored by name
+            name = _TORCH_NAMES.get(str(self.scale_dtype))
+            object.__setattr__(self, "scale_dtype", name or str(self.scale_dtype))
+        if self.scale_dtype is not None and self.scale_dtype not in SCALE_DTYPES:
+            raise SchemeError(
+                f"scale_dtype {self.scale_dtype!r} is not supported; use one of {list(SCALE_DTYPES)} "
+                "(by name)"
+            )
+
+    def _check_fp16(self) -> None:
+        # anything else would print as `fp16` and parse back as a different spec
+        if (
+            self.group_size is not None
+            or self.granularity is not Granularity.TOKEN
+            or self.symmetric
+            or self.scale_dtype is not None
+            or self.codebook
+        ):
+            raise SchemeError(
+                "fp16 takes no granularity, group size, symmetry or scale dtype (only -prerope)"
+            )
+        if self.fp8 is not None or self.center is not None or self.outliers is not None or self.unit_scale:
+            raise SchemeError("fp16 takes no fp8 kind, -tensor, -center or -out (only -rot: fp16-rot)")
+
+    def _check_group(self) -> None:
         needs_group = self.granularity in (Granularity.GROUP, Granularity.CHANNEL)
         if needs_group and (self.group_size is None or self.group_size < 1):
             what = "channels" if self.granularity is Granularity.GROUP else "tokens"
@@ -420,21 +292,12 @@ class QuantSpec:
                     f"group size {self.group_size} is above the maximum {limit:,} ({why}); "
                     f"use for example int{self.bits}-{'g64' if channels else 'channel-g64'}"
                 )
-        if self.scale_dtype is not None and not isinstance(self.scale_dtype, str):
-            # a torch dtype given directly (torch.float16 prints as "torch.float16"); stored by name
-            name = _TORCH_NAMES.get(str(self.scale_dtype))
-            object.__setattr__(self, "scale_dtype", name or str(self.scale_dtype))
-        if self.scale_dtype is not None and self.scale_dtype not in SCALE_DTYPES:
-            raise SchemeError(
-                f"scale_dtype {self.scale_dtype!r} is not supported; use one of {list(SCALE_DTYPES)} "
-                "(by name)"
-            )
 
     def _check_engine(self) -> None:
         """An engine format fixes everything but -prerope: its bits come from the format."""
         if self.engine not in ENGINE_FORMATS:
             raise SchemeError(f"unknown engine format {self.engine!r}; known: {', '.join(ENGINE_FORMATS)}")
-        defaults = QuantSpec(8)
+        defaults = _FlatSpec(8)
         extra = [
             f.name
             for f in dataclasses.fields(self)
@@ -452,8 +315,9 @@ class QuantSpec:
         """A TurboQuant spec fixes everything but -prerope (its options live in `TurboSpec`)."""
         if not isinstance(self.turbo, TurboSpec):
             raise SchemeError(f"turbo must be a TurboSpec (parse_spec('turbo3')), not {self.turbo!r}")
+        fp16 = _FlatSpec(16)
         extra = [f.name for f in dataclasses.fields(self) if f.name not in ("bits", "turbo", "prerope")
-                 and getattr(self, f.name) != getattr(FP16, f.name)]
+                 and getattr(self, f.name) != getattr(fp16, f.name)]
         if extra:
             raise SchemeError(f"{self.turbo} takes no {', '.join(extra)} (only -prerope)")
         object.__setattr__(self, "bits", math.ceil(self.turbo.code_bits))
@@ -498,14 +362,231 @@ class QuantSpec:
                 )
             object.__setattr__(self, "outliers", float(p))
 
+    def typed(self) -> tuple[Family, Grain | None, str | None, tuple[Transform, ...], bool]:
+        """(family, grain, scale_dtype, transforms, prerope): the typed parts `QuantSpec` stores."""
+        grain = grain_of(self.granularity, self.group_size)
+        if self.engine is not None:
+            family, grain = engine_family(self.engine), None
+        elif self.turbo is not None:
+            family, grain = self.turbo, None
+        elif self.bits == 16:
+            family, grain = Dense(), None
+        elif self.fp8 is not None:
+            family = FP8(self.fp8, self.unit_scale)
+            grain = None if self.unit_scale else grain
+        else:
+            family = (Codebook if self.codebook else UniformInt)(self.bits, self.symmetric)
+        transforms: list[Transform] = []
+        if self.center is not None:
+            transforms.append(Center(self.center))
+        if self.rotate_calib:
+            transforms.append(CalibRotate())
+        elif self.rotate is not None:
+            transforms.append(Rotate(self.rotate))
+        if self.outliers is not None:
+            transforms.append(Outliers(self.outliers))
+        return family, grain, self.scale_dtype, tuple(transforms), self.prerope
+
+
+_FLAT_FIELDS = tuple(f.name for f in dataclasses.fields(_FlatSpec))
+_FAMILY_TYPES = (Dense, UniformInt, Codebook, FP8, EngineFormat, TurboSpec)  # what the grammar writes
+_GRAIN_TYPES = (PerToken, PerHead, ChannelGroups, TokenGroups)
+_TRANSFORM_TYPES = (Center, Rotate, CalibRotate, Outliers)
+_UNSET: object = type("_Unset", (), {"__repr__": lambda self: "<unset>"})()  # a keyword not given
+
+
+@dataclass(frozen=True, init=False)
+class QuantSpec:
+    """How one of K or V is stored, in typed parts (`kvquant.spec_types`):
+
+    family: what a value is stored as (Dense, UniformInt, Codebook, FP8, EngineFormat / VLLMCacheDtype,
+        TurboSpec).
+    grain: which elements share a scale (PerToken, PerHead, ChannelGroups(channels=N),
+        TokenGroups(tokens=N)); None where the family keeps no scales of the spec's choosing (fp16, fp8
+        -tensor, engine formats, TurboQuant).
+    scale_dtype: name of the dtype of stored scales and zeros ("fp16", "bf16", "fp32"); None stores them
+        in the K/V dtype.
+    transforms: applied before the family's codec, outermost first (Center, Rotate or CalibRotate,
+        Outliers: the grammar's order).
+    prerope: keys stored before the rotary embedding (the cache inverts the model's RoPE on the way in and
+        re-applies it on read); keys only.
+
+    Two ways to build one, both checked the same way:
+
+        QuantSpec(family=UniformInt(4), grain=ChannelGroups(64))       typed
+        QuantSpec(4, Granularity.GROUP, 64)                            the flat keywords, below
+
+    The flat keywords are also read-only properties (`spec.bits`, `spec.group_size`, ...), and
+    `dataclasses.replace(spec, rotate=None)` takes them too:
+    bits: 16 (kept as is), 8, 4, 3 (codebooks only) or 2. granularity, group_size: the grain as a
+    `Granularity` and its N (channels for GROUP, tokens for CHANNEL; None otherwise). symmetric: absmax with
+    signed codes, or min/max with a float zero point. codebook: nuqN. fp8: "e4m3" or "e5m2" (bits 8,
+    symmetric). unit_scale: fp8 -tensor. center: tokens per -center offset. rotate: -rot's seed (0 with
+    rotate_calib, -crot). outliers: -out's percent. engine: an engine format name (a key of
+    `ENGINE_FORMATS`; bits is then the format's). turbo: a `TurboSpec` (bits is its code bits rounded up).
+    """
+
+    family: Family
+    grain: Grain | None
+    scale_dtype: str | None
+    transforms: tuple[Transform, ...]
+    prerope: bool
+
+    def __init__(
+        self,
+        bits: int = _UNSET,
+        granularity: Granularity = _UNSET,
+        group_size: int | None = _UNSET,
+        symmetric: bool = _UNSET,
+        scale_dtype: str | None = _UNSET,
+        codebook: bool = _UNSET,
+        prerope: bool = _UNSET,
+        fp8: str | None = _UNSET,
+        center: int | None = _UNSET,
+        rotate: int | None = _UNSET,
+        outliers: float | None = _UNSET,
+        unit_scale: bool = _UNSET,
+        engine: str | None = _UNSET,
+        turbo: TurboSpec | None = _UNSET,
+        rotate_calib: bool = _UNSET,
+        *,
+        family: Family | None = None,
+        grain: Grain | None = _UNSET,
+        transforms: tuple[Transform, ...] = _UNSET,
+    ) -> None:
+        given = {k: v for k, v in locals().items() if k in _FLAT_FIELDS and v is not _UNSET}
+        if family is None:  # the flat form
+            if grain is not _UNSET or transforms is not _UNSET:
+                raise TypeError("QuantSpec takes grain= and transforms= with family= (the typed form)")
+            if "bits" not in given:
+                raise TypeError("QuantSpec needs bits (the flat form) or family= (the typed form)")
+            self._set(*_FlatSpec(**given).typed())
+            return
+        # the typed form (dataclasses.replace passes the stored parts, and any flat keyword given to it)
+        self._set(family, None if grain is _UNSET else grain, given.pop("scale_dtype", None),
+                  () if transforms is _UNSET else tuple(transforms), bool(given.pop("prerope", False)))
+        if not isinstance(family, _FAMILY_TYPES):  # a family from outside the grammar (a plug-in codec)
+            if given:
+                raise TypeError(
+                    f"flat keywords {sorted(given)} apply to the grammar's families, not {family!r}"
+                )
+            self._check_plugin()
+            return
+        self._check_parts()
+        flat = {name: getattr(self, name) for name in _FLAT_FIELDS}
+        self._set(*_FlatSpec(**{**flat, **given}).typed())
+
+    def _set(self, family, grain, scale_dtype, transforms, prerope) -> None:
+        for name, value in zip(("family", "grain", "scale_dtype", "transforms", "prerope"),
+                               (family, grain, scale_dtype, transforms, prerope), strict=True):
+            object.__setattr__(self, name, value)
+
+    def _check_parts(self) -> None:
+        """Typed parts that the flat form could not say: a grain or transform of the wrong type, transforms
+        out of the grammar's order or given twice, a grain where the family keeps no scales."""
+        if self.grain is not None and not isinstance(self.grain, _GRAIN_TYPES):
+            raise SchemeError(f"grain must be one of {', '.join(g.__name__ for g in _GRAIN_TYPES)}, "
+                              f"not {self.grain!r}")
+        bad = [t for t in self.transforms if not isinstance(t, _TRANSFORM_TYPES)]
+        if bad:
+            known = ", ".join(t.__name__ for t in _TRANSFORM_TYPES)
+            raise SchemeError(f"transforms are {known}, not {bad[0]!r}")
+        orders = [t.order for t in self.transforms]
+        if orders != sorted(set(orders)):
+            raise SchemeError(
+                f"transforms {self.transforms} must come outermost first, each kind once: Center, then "
+                "Rotate or CalibRotate, then Outliers (the grammar's -center, -rot, -out)"
+            )
+        keeps_scales = isinstance(self.family, (UniformInt, Codebook)) or (
+            isinstance(self.family, FP8) and not self.family.unit_scale
+        )
+        if self.grain is None and keeps_scales:
+            object.__setattr__(self, "grain", PerToken())  # the grammar's default
+        elif self.grain is not None and not keeps_scales:
+            raise SchemeError(f"{self.family.name()} keeps no scales of its own: it takes no grain")
+
+    def _check_plugin(self) -> None:
+        family = self.family
+        if not (hasattr(family, "name") and hasattr(family, "check_head_dim")):
+            raise SchemeError(
+                f"a family needs name() and check_head_dim(head_dim), as kvquant.spec_types' do; {family!r} "
+                "has not"
+            )
+        bits = getattr(family, "bits", None)
+        if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 16:
+            raise SchemeError(f"a family needs its bits per value (1..16), {family!r} has {bits!r}")
+        self._check_parts()
+
+    # ---- the flat view (read-only; what the flat form takes)
+
     @property
-    def transforms(self) -> tuple[str, ...]:
-        """The research transforms around the base codec, outermost first: "center", "rotate", "outliers"."""
-        return tuple(n for n in ("center", "rotate", "outliers") if getattr(self, n) is not None)
+    def bits(self) -> int:
+        return family_bits(self.family)
+
+    @property
+    def symmetric(self) -> bool:
+        return getattr(self.family, "symmetric", False)
+
+    @property
+    def granularity(self) -> Granularity:
+        return self.grain.granularity if self.grain is not None else Granularity.TOKEN
+
+    @property
+    def group_size(self) -> int | None:
+        return self.grain.group_size if self.grain is not None else None
+
+    @property
+    def codebook(self) -> bool:
+        return isinstance(self.family, Codebook)
+
+    @property
+    def fp8(self) -> str | None:
+        return self.family.kind if isinstance(self.family, FP8) else None
+
+    @property
+    def unit_scale(self) -> bool:
+        return isinstance(self.family, FP8) and self.family.unit_scale
+
+    @property
+    def engine(self) -> str | None:
+        return self.family.format if isinstance(self.family, EngineFormat) else None
+
+    @property
+    def turbo(self) -> TurboSpec | None:
+        return self.family if isinstance(self.family, TurboSpec) else None
+
+    def _transform(self, kind: str):
+        return next((t for t in self.transforms if t.flat == kind), None)
+
+    @property
+    def center(self) -> int | None:
+        t = self._transform("center")
+        return None if t is None else t.tokens
+
+    @property
+    def rotate(self) -> int | None:
+        t = self._transform("rotate")
+        return None if t is None else t.seed
+
+    @property
+    def rotate_calib(self) -> bool:
+        return isinstance(self._transform("rotate"), CalibRotate)
+
+    @property
+    def outliers(self) -> float | None:
+        t = self._transform("outliers")
+        return None if t is None else t.percent
+
+    # ----
 
     @property
     def is_quantized(self) -> bool:
         return self.bits < 16
+
+    @property
+    def needs_calibration(self) -> bool:
+        """Tables fitted offline (a calibration file): a codebook (nuqN) or a calibrated rotation (-crot)."""
+        return isinstance(self.family, Codebook) or any(isinstance(t, CalibRotate) for t in self.transforms)
 
     @property
     def qmax(self) -> int:
@@ -514,64 +595,19 @@ class QuantSpec:
 
     @property
     def tokens_per_group(self) -> int:
-        """How many tokens must arrive before they can be quantized (N for CHANNEL, else 1; with -centerM,
-        the least common multiple with M; turbo split specs: their -blockN)."""
-        if self.turbo is not None:
-            return self.turbo.token_group
-        n = self.group_size if self.granularity is Granularity.CHANNEL else 1
-        return math.lcm(n, self.center) if self.center is not None else n
+        """How many tokens must arrive before they can be quantized (a token group's N, else 1; with
+        -centerM, the least common multiple with M; turbo split specs: their -blockN)."""
+        n = self.grain.tokens if self.grain is not None else getattr(self.family, "token_group", 1)
+        center = self._transform("center")
+        return math.lcm(n, center.tokens) if center is not None else n
 
     def check_head_dim(self, head_dim: int) -> None:
-        """Refuse a group size that does not divide head_dim, naming both numbers."""
-        if self.turbo is not None:
-            self.turbo.check_head_dim(head_dim)
-            return
-        if self.engine is not None:
-            block = ENGINE_FORMATS[self.engine][1]
-            if self.engine.startswith("vllm:turboquant_"):
-                if self.engine.endswith(".k") and self.bits < 8 and head_dim & (head_dim - 1):
-                    raise SchemeError(
-                        f"{self.engine} rotates keys with a Sylvester Hadamard matrix (vLLM's "
-                        f"_build_hadamard): head_dim {head_dim} is not a power of two"
-                    )
-                if self.engine.startswith("vllm:turboquant_k8v4") and head_dim > 256:
-                    raise SchemeError(
-                        "turboquant_k8v4 requires FlashAttention-compatible head_size <= 256 (vLLM's "
-                        f"TurboQuantAttentionBackend.supports_combination): head_dim {head_dim}"
-                    )
-                if head_dim % block:
-                    raise SchemeError(
-                        f"{self.engine} packs {block} codes at a time along head_dim (vLLM's TurboQuant "
-                        f"store): head_dim {head_dim} is not a multiple of {block}"
-                    )
-                return
-            if self.engine.endswith("-rot") and head_dim % 64:
-                raise SchemeError(
-                    f"{self.engine}: llama.cpp rotates Q/K/V only when head_dim is a multiple of 64 "
-                    f"(llama-kv-cache.cpp: n_embd_head_k % 64 == 0); head_dim {head_dim} is not (the plain "
-                    f"{self.engine[:-4]} keeps llama.cpp's default, no rotation at this head_dim)"
-                )
-            if head_dim % block:
-                raise SchemeError(
-                    f"{self.engine} stores blocks of {block} values along head_dim (ggml asserts "
-                    f"k % {block} == 0): head_dim {head_dim} is not a multiple of {block}"
-                )
-            return
-        if self.granularity is Granularity.GROUP and head_dim % self.group_size:
-            raise SchemeError(
-                f"group size {self.group_size} does not divide head_dim {head_dim}; "
-                f"pick a divisor of {head_dim} (for example -g{math.gcd(head_dim, 64)})"
-            )
-        if self.is_quantized and head_dim * self.bits % 8:
-            raise SchemeError(
-                f"head_dim {head_dim} cannot be packed at {self.bits} bits "
-                "(head_dim * bits must be a multiple of 8)"
-            )
-        if self.rotate is not None and rotation_block(head_dim) < 8:
-            raise SchemeError(
-                f"-rot needs a head_dim with a power-of-two factor of at least 8 (Walsh-Hadamard blocks); "
-                f"head_dim {head_dim} has {rotation_block(head_dim)}"
-            )
+        """Refuse a head_dim the grain, the family or a transform cannot serve, naming both numbers."""
+        if self.grain is not None:
+            self.grain.check_head_dim(head_dim)
+        self.family.check_head_dim(head_dim)
+        for t in self.transforms:
+            t.check_head_dim(head_dim)
 
     def __str__(self) -> str:
         return format_spec(self)
@@ -683,7 +719,7 @@ class Scheme:
 
     @property
     def needs_calibration(self) -> bool:
-        return any(s.codebook or s.rotate_calib for s in self.specs())
+        return any(s.needs_calibration for s in self.specs())
 
     @property
     def prerope(self) -> bool:
@@ -707,9 +743,9 @@ class Scheme:
             group = s.tokens_per_group
             page = math.lcm(page_size, group)
             if page > max_positions:
-                what = (
-                    f"-channel-g{s.group_size}" if s.granularity is Granularity.CHANNEL else ""
-                ) + (f"-center{s.center}" if s.center is not None else "")
+                what = (f"-{s.grain.option()}" if isinstance(s.grain, TokenGroups) else "") + (
+                    f"-center{s.center}" if s.center is not None else ""
+                )
                 raise SchemeError(
                     f"{s}: its token group ({what.lstrip('-')}: {group:,} tokens, stored in pages of "
                     f"lcm({page_size}, {group}) = {page:,} tokens) is longer than the model's "
@@ -860,6 +896,40 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
         return dataclasses.replace(parse_spec(text[: -len(_PREROPE)]), prerope=True)
     if _PREROPE in text:
         raise _spec_error(text, "-prerope comes last, once")
+    engine = _parse_engine(text)
+    if engine is not None:
+        return engine
+    if text.split("-")[0] in _NOT_SPECS:
+        raise _spec_error(
+            text,
+            f"{text.split('-')[0]!r} is not a spec: unquantized K/V is written fp16 (kept in the model's own "
+            "dtype, whatever it is; --kv-dtype sets the dtype bytes are counted at)",
+        )
+    if _LONG_NUMBER.search(text):
+        raise _spec_error(text, "a number of 11 or more digits is beyond every bound (group sizes, seeds)")
+    family = next((cls for prefix, cls in SPEC_FAMILIES.items() if text.startswith(prefix)), None)
+    if family is not None:  # a family with its own options (turboB...: `TurboSpec.parse`)
+        try:
+            return QuantSpec(family=family.parse(text))
+        except SchemeError as e:
+            raise _spec_error(text, str(e)) from None
+    m = _SPEC_RE.match(text)
+    if not m:
+        raise _spec_error(text, f"{_NOT_A_FAMILY} fp16, int<bits>, nuq<bits> or fp8-<kind>")
+    bits, codebook = _parse_family(text, m)
+    fp8 = m["fp8"]
+    o = _parse_options(text, [o for o in m["opts"].split("-") if o], bits, fp8)
+    if o["symmetric"] is None:
+        o["symmetric"] = bits == 8
+    if bits == 16:
+        if o["rotate_calib"]:
+            raise _spec_error(text, "fp16 takes no -crot (a calibrated rotation only helps a quantizer)")
+        return QuantSpec(16, rotate=o["rotate"])
+    return QuantSpec(bits, codebook=codebook, fp8=fp8, **o)
+
+
+def _parse_engine(text: str) -> QuantSpec | None:
+    """An engine's own format (`vllm:...`, `llama.cpp:...`, `mxfp4`, `nvfp4`), or None for any other text."""
     if text.startswith("vllm:"):
         text = ENGINE_ALIASES.get(text, text)
         if text.partition(":")[2] in TURBOQUANT_PRESET_NAMES:
@@ -873,170 +943,129 @@ def parse_spec(text: str | QuantSpec) -> QuantSpec:
             known = ", ".join([*ENGINE_ALIASES, *(n for n in ENGINE_FORMATS if n.startswith("vllm:"))])
             why = f"unknown vLLM cache dtype {text.partition(':')[2]!r}; kvquant has {known}"
             raise _spec_error(text, why)
-    if text in ENGINE_FORMATS or text.startswith("llama.cpp:"):
-        if text not in ENGINE_FORMATS:
-            types = ", ".join(n.partition(":")[2] for n in ENGINE_FORMATS if n.startswith("llama.cpp:"))
-            raise _spec_error(
-                text, f"unknown llama.cpp cache type {text.partition(':')[2]!r}; its quantized -ctk/-ctv "
-                f"types are {types} (f16 is kvquant's fp16)"
-            )
-        return QuantSpec(ENGINE_FORMATS[text][0], engine=text)
-    if text.split("-")[0] in _NOT_SPECS:
+    if text not in ENGINE_FORMATS and not text.startswith("llama.cpp:"):
+        return None
+    if text not in ENGINE_FORMATS:
+        types = ", ".join(n.partition(":")[2] for n in ENGINE_FORMATS if n.startswith("llama.cpp:"))
         raise _spec_error(
-            text,
-            f"{text.split('-')[0]!r} is not a spec: unquantized K/V is written fp16 (kept in the model's own "
-            "dtype, whatever it is; --kv-dtype sets the dtype bytes are counted at)",
+            text, f"unknown llama.cpp cache type {text.partition(':')[2]!r}; its quantized -ctk/-ctv "
+            f"types are {types} (f16 is kvquant's fp16)"
         )
-    if _LONG_NUMBER.search(text):
-        raise _spec_error(text, "a number of 11 or more digits is beyond every bound (group sizes, seeds)")
-    if text.startswith("turbo"):  # TurboQuant (kvquant.codecs.turbo): its own options, `TurboSpec.parse`
-        try:
-            return QuantSpec(4, turbo=TurboSpec.parse(text))
-        except SchemeError as e:
-            raise _spec_error(text, str(e)) from None
-    m = _SPEC_RE.match(text)
-    if not m:
-        raise _spec_error(text, f"{_NOT_A_FAMILY} fp16, int<bits>, nuq<bits> or fp8-<kind>")
-    fp8 = m["fp8"]
+    return QuantSpec(ENGINE_FORMATS[text][0], engine=text)
+
+
+def _parse_family(text: str, m: re.Match) -> tuple[int, bool]:
+    """(bits, codebook) of a matched `fp16`, `fp8-<kind>`, `int<bits>` or `nuq<bits>`."""
     if m["fp"]:  # fp16 with options: fp16-rot
-        bits, codebook = 16, False
-    elif m["family"] is None:  # fp8-<kind>
+        return 16, False
+    if m["family"] is None:  # fp8-<kind>
+        fp8 = m["fp8"]
         if fp8 not in FP8_KINDS:
             known = " or ".join(f"fp8-{k}" for k in FP8_KINDS)
             why = f"unknown fp8 kind {fp8!r}; known: {known}" if fp8 else f"fp8 needs a kind: {known}"
             raise _spec_error(text, why)
-        bits, codebook = 8, False
-    else:
-        bits = int(m["bits"])
-        codebook = m["family"] == "nuq"
-        if codebook and bits not in CODEBOOK_BITS:
-            raise _spec_error(text, f"nuq{bits} is not supported (codebook bits must be 4, 3 or 2)")
-        if not codebook and bits not in (8, 4, 2):
-            raise _spec_error(text, f"int{bits} is not supported (bits must be 8, 4 or 2)")
-    opts = [o for o in m["opts"].split("-") if o]
-    granularity, group_size, symmetric, scale_dtype = Granularity.TOKEN, None, None, None
-    center = rotate = outliers = None
-    unit_scale = rotate_calib = False
+        return 8, False
+    bits = int(m["bits"])
+    codebook = m["family"] == "nuq"
+    if codebook and bits not in CODEBOOK_BITS:
+        raise _spec_error(text, f"nuq{bits} is not supported (codebook bits must be 4, 3 or 2)")
+    if not codebook and bits not in (8, 4, 2):
+        raise _spec_error(text, f"int{bits} is not supported (bits must be 8, 4 or 2)")
+    return bits, codebook
+
+
+def _check_option_order(
+    text: str, opt: str, kind: str | None, seen: dict[str, str], research: list[str]
+) -> None:
+    """One option of a kind at most; granularity, symmetry and scale dtype first, then -center, -rot, -out
+    in that order (`research`: the research transforms given so far)."""
+    if kind is not None and kind in seen:
+        raise _spec_error(text, f"-{opt} conflicts with -{seen[kind]} (one {kind} option at most)")
+    seen[kind] = opt
+    if kind in _RESEARCH_ORDER:
+        if research and _RESEARCH_ORDER.index(kind) < _RESEARCH_ORDER.index(_option_kind(research[-1])):
+            why = f"-{opt} must come before -{research[-1]} (order: -center, -rot, -out)"
+            raise _spec_error(text, why)
+        research.append(opt)
+    elif research:
+        raise _spec_error(
+            text,
+            f"-{opt} must come before -{research[0]}: granularity, symmetry and scale dtype first, "
+            "then -center, -rot, -out",
+        )
+
+
+def _parse_options(text: str, opts: list[str], bits: int, fp8: str | None) -> dict:
+    """The flat QuantSpec keywords the options after the family give (symmetric None: not given)."""
+    o = dict(granularity=Granularity.TOKEN, group_size=None, symmetric=None, scale_dtype=None, center=None,
+             rotate=None, outliers=None, unit_scale=False, rotate_calib=False)
     seen: dict[str, str] = {}  # option kind -> the option given, to refuse a second one of a kind
-    research: list[str] = []  # the research transforms given so far (their order is fixed)
+    research: list[str] = []
     i = 0
     while i < len(opts):
         opt = opts[i]
         kind = _option_kind(opt)
-        if kind is not None and kind in seen:
-            raise _spec_error(text, f"-{opt} conflicts with -{seen[kind]} (one {kind} option at most)")
-        seen[kind] = opt
-        if kind in _RESEARCH_ORDER:
-            if research and _RESEARCH_ORDER.index(kind) < _RESEARCH_ORDER.index(_option_kind(research[-1])):
-                why = f"-{opt} must come before -{research[-1]} (order: -center, -rot, -out)"
-                raise _spec_error(text, why)
-            research.append(opt)
-        elif research:
-            raise _spec_error(
-                text,
-                f"-{opt} must come before -{research[0]}: granularity, symmetry and scale dtype first, "
-                "then -center, -rot, -out",
-            )
+        _check_option_order(text, opt, kind, seen, research)
         if bits == 16 and kind != "rotation":
             raise _spec_error(text, f"fp16 takes no -{opt} (only -rot, as in fp16-rot, and -prerope)")
         if fp8 is not None and kind == "symmetry":
             raise _spec_error(text, f"fp8 is always absmax-scaled; drop -{opt}")
-        unit_scale = unit_scale or opt == "tensor"
+        o["unit_scale"] = o["unit_scale"] or opt == "tensor"
         if fp8 is None and opt == "tensor":
             raise _spec_error(text, "-tensor (one fixed unit scale) is for fp8 only, e.g. fp8-e4m3-tensor")
         if kind == "center":
-            center = int(opt[6:]) if opt[6:] else DEFAULT_CENTER
+            o["center"] = int(opt[6:]) if opt[6:] else DEFAULT_CENTER
         elif kind == "rotation":
-            rotate_calib = opt == "crot"  # the calibrated rotation (kvquant.codecs.calibrot)
-            rotate = 0 if rotate_calib else int(opt[3:] or 0)
+            o["rotate_calib"] = opt == "crot"  # the calibrated rotation (kvquant.codecs.calibrot)
+            o["rotate"] = 0 if o["rotate_calib"] else int(opt[3:] or 0)
         elif kind == "outliers":
             if not re.fullmatch(r"out\d+(\.\d+)?", opt):
                 raise _spec_error(text, f"-{opt}: -out needs a percentage, as in -out1 or -out0.5")
-            outliers = float(opt[3:])
+            o["outliers"] = float(opt[3:])
         elif opt == "tensor":
             pass  # unit_scale, above
         elif opt == "head":
-            granularity = Granularity.HEAD
+            o["granularity"] = Granularity.HEAD
         elif opt == "channel":
-            granularity = Granularity.CHANNEL
+            o["granularity"] = Granularity.CHANNEL
             if i + 1 >= len(opts) or not re.fullmatch(r"g\d+", opts[i + 1]):
                 raise _spec_error(text, "-channel needs a token group after it, as in -channel-g64")
-            group_size = int(opts[i + 1][1:])
+            o["group_size"] = int(opts[i + 1][1:])
             i += 1
         elif re.fullmatch(r"g\d+", opt):
-            granularity, group_size = Granularity.GROUP, int(opt[1:])
+            o["granularity"], o["group_size"] = Granularity.GROUP, int(opt[1:])
         elif opt in ("sym", "asym"):
-            symmetric = opt == "sym"
+            o["symmetric"] = opt == "sym"
         elif opt.startswith("s") and opt[1:] in SCALE_DTYPES:
-            scale_dtype = opt[1:]
+            o["scale_dtype"] = opt[1:]
         else:
             raise _spec_error(text, f"unknown option -{opt}")
         i += 1
-    if symmetric is None:
-        symmetric = bits == 8
-    if group_size == 0:
+    if o["group_size"] == 0:
         raise _spec_error(text, "a group size must be at least 1")
-    if center == 0:
+    if o["center"] == 0:
         raise _spec_error(text, "-center needs at least 1 token per offset")
-    if outliers is not None and not 0 < outliers <= MAX_OUTLIER_PERCENT:
-        raise _spec_error(text, f"-out{outliers:g} must keep a percentage in (0, {MAX_OUTLIER_PERCENT:g}]")
-    if bits == 16:
-        if rotate_calib:
-            raise _spec_error(text, "fp16 takes no -crot (a calibrated rotation only helps a quantizer)")
-        return QuantSpec(16, rotate=rotate)
-    return QuantSpec(
-        bits,
-        granularity,
-        group_size,
-        symmetric,
-        scale_dtype,
-        codebook=codebook,
-        fp8=fp8,
-        center=center,
-        rotate=rotate,
-        outliers=outliers,
-        unit_scale=unit_scale,
-        rotate_calib=rotate_calib,
-    )
+    if o["outliers"] is not None and not 0 < o["outliers"] <= MAX_OUTLIER_PERCENT:
+        why = f"-out{o['outliers']:g} must keep a percentage in (0, {MAX_OUTLIER_PERCENT:g}]"
+        raise _spec_error(text, why)
+    return o
 
 
 def format_spec(spec: QuantSpec) -> str:
-    """The canonical string of a spec; parse_spec(format_spec(s)) == s."""
-    if spec.engine is not None or spec.turbo is not None:
-        return (spec.engine or str(spec.turbo)) + (_PREROPE if spec.prerope else "")
-    if not spec.is_quantized:
-        return "-".join(["fp16", *_format_research(spec)]) + (_PREROPE if spec.prerope else "")
-    parts = [f"fp8-{spec.fp8}" if spec.fp8 is not None else f"{'nuq' if spec.codebook else 'int'}{spec.bits}"]
-    if spec.unit_scale:
-        parts.append("tensor")
-    elif spec.granularity is Granularity.HEAD:
-        parts.append("head")
-    elif spec.granularity is Granularity.GROUP:
-        parts.append(f"g{spec.group_size}")
-    elif spec.granularity is Granularity.CHANNEL:
-        parts.append(f"channel-g{spec.group_size}")
-    if spec.fp8 is None and spec.symmetric != (spec.bits == 8):
+    """The canonical string of a spec, each typed part printing its own piece in the grammar's order:
+    family, grain, symmetry (when not the default), scale dtype, transforms, -prerope;
+    parse_spec(format_spec(s)) == s."""
+    parts = [spec.family.name()]
+    if spec.grain is not None:
+        parts.append(spec.grain.option())
+    if isinstance(spec.family, (UniformInt, Codebook)) and spec.symmetric != (spec.bits == 8):
         parts.append("sym" if spec.symmetric else "asym")
     if spec.scale_dtype is not None:
         parts.append("s" + spec.scale_dtype)
-    parts += _format_research(spec)
+    parts += [t.option() for t in spec.transforms]
     if spec.prerope:
         parts.append(_PREROPE[1:])
-    return "-".join(parts)
-
-
-def _format_research(spec: QuantSpec) -> list[str]:
-    """-center[N] -rot[S] -outP, in the grammar's order (defaults left out)."""
-    parts = []
-    if spec.center is not None:
-        parts.append("center" if spec.center == DEFAULT_CENTER else f"center{spec.center}")
-    if spec.rotate_calib:
-        parts.append("crot")
-    elif spec.rotate is not None:
-        parts.append("rot" if spec.rotate == 0 else f"rot{spec.rotate}")
-    if spec.outliers is not None:
-        parts.append(f"out{spec.outliers:g}")
-    return parts
+    return "-".join(p for p in parts if p)
 
 
 def _tq_preset_of(key: QuantSpec, value: QuantSpec) -> str | None:
@@ -1220,9 +1249,7 @@ def parse_scheme(text: str | Scheme) -> Scheme:
                 text, "budget= is resolved through a calibration file: add calib=FILE (written by "
                 "experiments/allocate.py --budget-bits B --calib FILE --write-calib)"
             )
-        from .calibration import resolve_budget  # lazy: reads the file's JSON side only
-
-        return resolve_budget(budget, calib, ints.get("sink"), ints.get("window"))
+        return _resolve_budget(budget, calib, ints.get("sink"), ints.get("window"))
     if layers is not None:
         if both is not None or key is not None or value is not None:
             raise _scheme_error(text, "give either a spec (or k= and v=) or layers=, not both")
@@ -1264,3 +1291,20 @@ def scheme_help() -> str:
 
 
 PRESETS: dict[str, Scheme] = {name: parse_scheme(name) for name in _PRESET_DEFS}
+
+
+def _resolve_budget(budget: float, calib: str, sink: int | None, window: int | None) -> Scheme:
+    """`budget=B,calib=FILE`: the per-layer scheme `experiments/allocate.py --write-calib` stored in FILE's
+    JSON for B average bits (with its sink and window; a sink= / window= given beside budget= must match
+    them), with calib=FILE. Reads the JSON side only (no torch)."""
+    from .calibfile import CalibrationError, stored_allocation
+
+    text, js = stored_allocation(budget, calib)
+    scheme = parse_scheme(f"{text},calib={calib}")  # stored without calib=: this file is it
+    for name, want in (("sink", sink), ("window", window)):
+        if want is not None and want != getattr(scheme, name):
+            raise CalibrationError(
+                f"budget={budget:g} in {js} was allocated with {name}={getattr(scheme, name)}, not "
+                f"{name}={want}; drop {name}= or allocate again with --{name} {want} --write-calib"
+            )
+    return scheme

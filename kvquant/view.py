@@ -56,7 +56,7 @@ class LayerView:
     fresh_k: torch.Tensor | None = None
     fresh_v: torch.Tensor | None = None
     fresh_start: int = 0
-    kernel_registry: object | None = None  # kvquant.kernels.registry.KernelRegistry when kernels serve it
+    kernel_registry: object | None = None  # KernelRegistry when LayerPaths.attend (kvquant.backend)
     plan: LayerPlan | None = None  # the layer's storage rule (which keys a query of a chunk saw quantized)
 
     # An attention implementation other than kvquant's gets a LayerView where it expects a tensor; when

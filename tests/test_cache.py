@@ -343,7 +343,7 @@ def test_body_holds_what_was_quantized_on_arrival(model):
     layer = cache.layers[0]
     k, v = torch.randn(1, 2, 5, 64), torch.randn(1, 2, 5, 64)
     layer.update(k, v)
-    q = kvquant.codecs.quantize(k, kvquant.parse_scheme("int4-g32").key)
+    q = kvquant.quantize(k, kvquant.parse_scheme("int4-g32").key)
     stored = layer.stored().key_fields
     assert torch.equal(stored["codes"], q.codes) and torch.equal(stored["scale"], q.scale)
     view, _ = layer.update(k[:, :, :1], v[:, :, :1])

@@ -9,15 +9,9 @@ from tiny_models import make_tiny_model
 import kvquant
 from kvquant.calibration import entries_for, load_calibration, save_calibration
 from kvquant.codecs.base import codec_for
-from kvquant.codecs.calibrot import (
-    CalibRotationCodec,
-    attention_error,
-    capture,
-    fit_rotation,
-    hadamard_matrix,
-    surrogate_roundtrip,
-)
+from kvquant.codecs.calibrot import CalibRotationCodec, hadamard_matrix
 from kvquant.codecs.transforms import hadamard_signs, rotate
+from kvquant.rotfit import attention_error, capture, fit_rotation, surrogate_roundtrip
 from kvquant.scheme import SchemeError, parse_scheme, parse_spec
 
 
@@ -168,7 +162,8 @@ def test_capture_restores_attention(outlier_model, docs):
 def test_file_round_trip_and_cache(outlier_model, docs, tmp_path, scheme):
     from kvquant.eval.allocation import reference_logprobs, scheme_kl
 
-    from kvquant.calibration import calibrate, metadata
+    from kvquant.calibration import metadata
+    from kvquant.fitting import calibrate
     from kvquant.memory import KVShape
 
     path = str(tmp_path / "c.safetensors")

@@ -55,7 +55,7 @@ before = "kvquant" in AttentionInterface._global_mapping
 impl = kvquant.ATTN_IMPLEMENTATION
 after = "kvquant" in AttentionInterface._global_mapping
 import kvquant.codecs.quantize, kvquant.cache  # submodules named like public functions must not hide them
-q = kvquant.codecs.quantize
+q = kvquant.quantize
 print(json.dumps({"before": before, "after": after, "impl": impl,
                   "quantize_is_function": callable(q) and q.__name__ == "quantize"}))
 """
@@ -67,7 +67,7 @@ def test_every_public_name_resolves():
     assert sorted(kvquant.__all__) == sorted([*kvquant._LAZY, *kvquant._SUBMODULES])
     for name in kvquant.__all__:
         assert getattr(kvquant, name) is not None, name
-    assert kvquant.memory.KVShape is not None and callable(kvquant.codecs.quantize)
+    assert kvquant.memory.KVShape is not None and callable(kvquant.quantize)
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         kvquant.nope  # noqa: B018
 

@@ -36,6 +36,7 @@ from kvquant.scheme import (
     parse_spec,
     scheme_help,
 )
+from kvquant.spec_types import Center, Outliers, Rotate
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -115,7 +116,7 @@ def test_spec_fields():
     assert parse_spec("int4-g64-out0.5").outliers == 0.5
     s = parse_spec("int4-g64-center32-rot-out1")
     assert (s.center, s.rotate, s.outliers) == (32, 0, 1.0)
-    assert s.transforms == ("center", "rotate", "outliers")
+    assert s.transforms == (Center(32), Rotate(0), Outliers(1.0))  # typed, outermost first
     assert s.tokens_per_group == 32
     assert parse_spec("int4-channel-g48-center32").tokens_per_group == 96  # lcm
     assert parse_scheme("k=int4-g64-center,v=int4-g64").tokens_per_flush == 64

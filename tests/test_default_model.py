@@ -107,7 +107,7 @@ def test_paged_body_is_the_old_layouts_arithmetic(default_model, scheme):
         assert layer.body_len == hi - lo > 0
         view = layer.view()
         for got, x, spec in ((view.keys(torch.float32), k, s.key), (view.values(torch.float32), v, s.value)):
-            want = kvquant.dequantize(kvquant.codecs.quantize(x[:, :, lo:hi], spec))
+            want = kvquant.dequantize(kvquant.quantize(x[:, :, lo:hi], spec))
             assert torch.equal(got[:, :, lo:hi], want), (scheme, i)
             assert torch.equal(got[:, :, :lo], x[:, :, :lo]) and torch.equal(got[:, :, hi:], x[:, :, hi:])
 

@@ -117,3 +117,18 @@ def test_attention_is_registered():
 
     assert kvquant.ATTN_IMPLEMENTATION in AttentionInterface._global_mapping
     assert kvquant.ATTN_IMPLEMENTATION in AttentionMaskInterface._global_mapping
+
+
+def test_pyproject_lists_every_package():
+    """A non-editable install ships only the packages pyproject.toml names: every folder of kvquant/ (and of
+    kernels/ and eval/, installed as kvquant.kernels and kvquant.eval) with an __init__.py is listed."""
+    import re  # tomllib is Python 3.11+; the project supports 3.10
+
+    text = (REPO / "pyproject.toml").read_text(encoding="utf-8")
+    listed = set(re.findall(r'"([\w.]+)"', re.search(r"^packages = \[(.*)\]$", text, re.M).group(1)))
+    found = set()
+    for top, name in (("kvquant", "kvquant"), ("kernels", "kvquant.kernels"), ("eval", "kvquant.eval")):
+        for init in (REPO / top).rglob("__init__.py"):
+            rel = init.parent.relative_to(REPO / top).parts
+            found.add(".".join([name, *rel]))
+    assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"

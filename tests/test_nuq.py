@@ -15,7 +15,6 @@ import kvquant
 from kvquant import memory
 from kvquant.calibration import (
     CalibrationError,
-    calibrate,
     entries_for,
     fit_codebook,
     load_calibration,
@@ -25,6 +24,7 @@ from kvquant.calibration import (
 from kvquant.codecs.base import CodebookCodec, codec_for
 from kvquant.codecs.packing import pack, packed_size, unpack
 from kvquant.codecs.quantize import fake_quantize, sqnr_db
+from kvquant.fitting import calibrate
 from kvquant.memory import KVShape
 from kvquant.scheme import QuantSpec, SchemeError, parse_scheme, parse_spec
 

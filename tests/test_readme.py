@@ -68,11 +68,11 @@ def _fp_bytes(cache, config, dtype) -> int:
     """The bytes of the same tokens unquantized at `dtype` (K and V, every layer), from the config alone."""
     import torch
 
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    from kvquant.quirks import attention_shape
+
+    a = attention_shape(config)
     size = torch.empty((), dtype=dtype).element_size()
-    return 2 * text.num_hidden_layers * heads * head_dim * cache.get_seq_length() * size
+    return 2 * a.num_layers * a.num_kv_heads * a.head_dim * cache.get_seq_length() * size
 
 
 @pytest.mark.parametrize("page, line, code", [_param(*block) for block in ALL_BLOCKS])

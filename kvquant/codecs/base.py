@@ -5,7 +5,7 @@ A codec is bound to a spec and a layer's shape (H_kv heads, head_dim D, K/V dtyp
 
     codec        field    heads_f      tokens_f   cols_f        dtype
     dense (fp16) values   H            1          D             the K/V dtype
-    affine INT   codes    H            1          D * bits / 8  uint8 (packed, kvquant.codecs.packing)
+    affine INT   codes    H            1          D * bits / 8  uint8 (packed; kvquant.codecs.quantize)
                  scale    H or 1 (*)   t_e        D / c_e       the scale dtype
                  zero     same as scale (asymmetric specs only)
     codebook NUQ codes    H            1          D * bits / 8  uint8 (3 bits: 8 codes per 3 bytes)
@@ -18,14 +18,18 @@ A codec is bound to a spec and a layer's shape (H_kv heads, head_dim D, K/V dtyp
 
 (*) a scale shared by all heads of a token (per-token granularity) is stored once: heads_f = 1.
 
-`BlockExtent` says which elements share one scale; the quantizer's lowering, dequantize's broadcast, the
-bytes formula, the page layout and the kernels' launch arguments all read it, so nothing else switches on
-granularity. The page store (`kvquant.store`) keeps each field in pages of `block_size` tokens
-((P, heads_f, block_size // tokens_f, cols_f)) and never looks inside a field.
+`BlockExtent` says which elements share one scale (the spec's grain says it: `block_extent`); the
+quantizer's lowering, dequantize's broadcast, the bytes formula, the page layout and the kernels' launch
+arguments all read it, so nothing else switches on granularity. The page store (`kvquant.store`) keeps each
+field in pages of `block_size` tokens ((P, heads_f, block_size // tokens_f, cols_f)) and never looks inside
+a field.
 
-A new quantizer family is one more `Codec` subclass registered in `_families()`; the store, the bytes
-formula and the attention path need no change. A codec that no kernel serves returns None from
-`kernel_layout`, and attention then takes the PyTorch reference path.
+`codec_for` dispatches on the spec's typed parts (`kvquant.spec_types`): the codec registered for the type of
+`spec.family`, wrapped by the codec of each of `spec.transforms` (outermost first), then `PreRopeCodec` for
+-prerope keys. A new quantizer family is its module, holding a `Codec` subclass under `@register(ItsConfig)`,
+plus its import in `kvquant/codecs/__init__.py`; the store, the bytes formula and the attention path need no
+change. A codec that no kernel serves returns None from `kernel_layout`, and attention then takes the
+PyTorch reference path.
 """
 
 from __future__ import annotations
@@ -33,16 +37,16 @@ from __future__ import annotations
 import dataclasses
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 
-from ..scheme import CALIBRATE_COMMAND, Granularity, QuantSpec, SchemeError, parse_spec
-from .packing import pack, packed_size, unpack, unpack_into
+from ..scheme import CALIBRATE_COMMAND, QuantSpec, SchemeError, parse_spec
+from ..spec_types import Codebook, Dense
+from .packing import pack, packed_size, unpack
 
 __all__ = [
-    "AffineCodec",
     "BlockExtent",
     "Codec",
     "CodebookCodec",
@@ -52,9 +56,12 @@ __all__ = [
     "KernelLayout",
     "PageRead",
     "block_extent",
+    "codec_class",
     "codec_for",
     "gather_region",
     "page_rows",
+    "register",
+    "round_stat",
     "split_region",
     "torch_dtype",
 ]
@@ -119,14 +126,22 @@ class BlockExtent:
 
 
 def block_extent(spec: QuantSpec, heads: int, head_dim: int) -> BlockExtent:
-    """The one place that turns a granularity into a block extent."""
-    n = spec.group_size or 1
-    return {
-        Granularity.TOKEN: BlockExtent(heads, 1, head_dim),
-        Granularity.HEAD: BlockExtent(1, 1, head_dim),
-        Granularity.GROUP: BlockExtent(1, 1, n),
-        Granularity.CHANNEL: BlockExtent(1, n, 1),
-    }[spec.granularity]
+    """The one place that turns a grain (`kvquant.spec_types`: PerToken, PerHead, ChannelGroups(N),
+    TokenGroups(N)) into a block extent: the grain says its (heads, tokens, channels)."""
+    if spec.grain is None:
+        raise SchemeError(f"{spec} keeps no per-block scales (no grain), so it has no block extent")
+    return BlockExtent(*spec.grain.extent(heads, head_dim))
+
+
+def round_stat(t: torch.Tensor, dtype: torch.dtype, up: bool) -> torch.Tensor:
+    """fp32 t -> dtype, rounded up (or down) so that the stored statistic still covers t: a scale
+    rounded down (bf16 keeps 8 bits) would clip the block's largest values by up to qmax * 2^-8 steps.
+    Every codec that stores block statistics rounds them so (affine INT, codebooks, FP8)."""
+    if dtype == t.dtype:
+        return t  # nothing to round
+    r = t.to(dtype)
+    off = r.float() < t if up else r.float() > t
+    return torch.where(off, torch.nextafter(r, torch.full_like(r, float("inf") if up else float("-inf"))), r)
 
 
 @dataclass(frozen=True)
@@ -219,6 +234,27 @@ def split_region(region, block_size: int, tokens: int, even: bool = True):
         yield dataclasses.replace(region, table=region.table[:, j0:j1], offset=offset, length=n,
                                   start=region.start + done), done
         done += n
+
+
+# ---------------------------------------------------------------------------------------------- registry
+
+# family config type (kvquant.spec_types: UniformInt, FP8, ...) or transform type (Rotate, ...) -> its codec
+_FAMILIES: dict[type, type[Codec]] = {}
+
+
+def register(kind: type) -> Callable[[type[Codec]], type[Codec]]:
+    """Class decorator: `@register(FP8)` makes `codec_for` build this codec for a spec whose family (or one of
+    whose transforms) is a `kind`. A family codec is built as cls(spec, heads, head_dim, dtype); a transform
+    codec as cls(spec, inner), around the codec of the same spec without it. Each family module of
+    kvquant.codecs registers its own (the package imports them all, so base never does)."""
+
+    def add(cls: type[Codec]) -> type[Codec]:
+        if _FAMILIES.get(kind, cls) is not cls:
+            raise ValueError(f"{kind.__name__} already has a codec: {_FAMILIES[kind].__name__}")
+        _FAMILIES[kind] = cls
+        return cls
+
+    return add
 
 
 class Codec(ABC):
@@ -327,6 +363,7 @@ class Codec(ABC):
         return f"{type(self).__name__}({self.spec}, heads={self.heads}, head_dim={self.head_dim})"
 
 
+@register(Dense)
 class DenseCodec(Codec):
     """fp16 specs: tokens stored as they are, in the K/V dtype."""
 
@@ -354,183 +391,7 @@ def _scaled_code_fields(codec) -> dict[str, Field]:
     return out
 
 
-class AffineCodec(Codec):
-    """Uniform affine INT8/INT4/INT2 at any granularity: `kvquant.codecs.quantize` arithmetic, bit for bit."""
-
-    def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
-        super().__init__(spec, heads, head_dim, dtype)
-        self.extent = block_extent(spec, heads, head_dim)
-        self.scale_dtype = torch_dtype(spec.scale_dtype) if spec.scale_dtype else dtype
-
-    def fields(self) -> dict[str, Field]:
-        return _scaled_code_fields(self)
-
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        from .quantize import quantize
-
-        return quantize(x.to(self.dtype), self.spec).fields()
-
-    def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
-        from .quantize import QTensor, dequantize
-
-        codes = fields["codes"]
-        shape = torch.Size((*codes.shape[:3], self.head_dim))
-        q = QTensor(codes, fields["scale"], fields.get("zero"), self.spec, shape, self.dtype)
-        return dequantize(q, dtype)
-
-    def decode_pages(
-        self, pages: Mapping[str, torch.Tensor], region, dtype: torch.dtype, out: torch.Tensor | None = None
-    ) -> torch.Tensor:
-        """`decode` of a region, page-major: each page's codes are unpacked straight into their tokens' rows
-        of one fp32 buffer (B, H, pages * block_size, D), then scaled and shifted in place, with dequantize's
-        arithmetic (so bit for bit its values), and the region's tokens sliced out. No int64 index tensors,
-        no (B, H, T, D) temporary but the buffer itself."""
-        table = region.table
-        bsz, n = table.shape
-        codes = pages["codes"].index_select(0, table.reshape(-1).to(pages["codes"].device))
-        rows = codes.shape[2]  # tokens per page
-        numel = bsz * self.heads * n * rows * self.head_dim
-        if out is None or out.numel() < numel or out.dtype != torch.float32:
-            out = torch.empty(numel, dtype=torch.float32, device=codes.device)
-        values = out[:numel].view(bsz, self.heads, n * rows, self.head_dim)  # (B, H, pages * bs, D)
-        by_page = values.view(bsz, self.heads, n, rows, self.head_dim).transpose(1, 2)  # (B, n, H, bs, D)
-        unpack_into(codes.view(bsz, n, self.heads, rows, codes.shape[-1]), self.spec.bits, by_page)
-        spec = self.spec
-        if spec.symmetric:
-            values.sub_(1 << (spec.bits - 1)).div_(spec.qmax)
-        blocks, scale = self.extent.broadcast(values, page_rows(pages["scale"], table).float())
-        blocks.mul_(scale)
-        if not spec.symmetric:
-            blocks.add_(self.extent.broadcast(values, page_rows(pages["zero"], table).float())[1])
-        got = values[:, :, region.offset : region.offset + region.length]  # (B, H, length, D)
-        return got if dtype == torch.float32 else got.to(dtype)
-
-    def _folds(self, dtype: torch.dtype) -> bool:
-        """Whether score_pages / value_pages fold the scales into the products: fp32 work, one token per
-        block (not channel-wise), and groups of whole bytes."""
-        e = self.extent
-        return dtype == torch.float32 and e.tokens == 1 and (e.channels * self.spec.bits) % 8 == 0
-
-    def _native(self, x: torch.Tensor, read: PageRead):
-        """kvquant.native's ops when they serve this call (fp32 on the CPU, built, no autograd), else None."""
-        if not read.native or x.dtype != torch.float32 or x.device.type != "cpu":
-            return None
-        if x.requires_grad and torch.is_grad_enabled():
-            return None
-        from .. import native
-
-        return native.ops()
-
-    def _stat_rows(self, pages: Mapping[str, torch.Tensor], table: torch.Tensor):
-        """The factor and offset (B, H_f, pages * rows, n_groups) fp32, one row per block of tokens, that turn
-        code c into A c + Z over the pages of `table`: dequantize's arithmetic, reassociated."""
-        a = page_rows(pages["scale"], table).float()
-        if self.spec.symmetric:  # ((c - 2^(b-1)) / qmax) s
-            a = a / self.spec.qmax
-            return a, a * -float(1 << (self.spec.bits - 1))
-        return a, page_rows(pages["zero"], table).float()  # c s + zero
-
-    def _fold_stats(self, pages: Mapping[str, torch.Tensor], region) -> tuple[torch.Tensor, torch.Tensor]:
-        """`_stat_rows` of the region's tokens (one token per row: not channel-wise), (B, H_f, length, G)."""
-        a, z = self._stat_rows(pages, region.table)
-        span = slice(region.offset, region.offset + region.length)
-        return a[:, :, span], z[:, :, span]
-
-    def _native_call(self, op, x: torch.Tensor, pages, region, *extra) -> torch.Tensor:
-        a, z = self._stat_rows(pages, region.table)
-        table = region.table.to(x.device).contiguous()
-        stats = (a.contiguous(), z.contiguous())
-        return op(x.contiguous(), pages["codes"], table, *stats, region.offset, *extra, self.spec.bits,
-                  self.extent.tokens)
-
-    def _code_blocks(self, pages: Mapping[str, torch.Tensor], region, read: PageRead):
-        """(first token, tokens, codes (B, H, n_groups, tokens, G) fp32 unscaled) per block of the region:
-        each block's pages unpacked into one reused buffer, page by page."""
-        table = region.table
-        bsz, n = table.shape
-        h, d, g = self.heads, self.head_dim, self.extent.channels
-        ng = d // g
-        pool = pages["codes"]
-        codes = pool.index_select(0, table.reshape(-1).to(pool.device)).view(bsz, n, h, pool.shape[2], -1)
-        bs = pool.shape[2]
-        for sub, off in split_region(region, bs, read.tokens):
-            j0 = (region.offset + off) // bs  # first page of the block
-            k = sub.table.shape[1]
-            numel = bsz * h * k * bs * d
-            buf = read.buffer
-            if buf is None or buf.numel() < numel or buf.dtype != torch.float32:
-                buf = torch.empty(numel, dtype=torch.float32, device=pool.device)
-            c = buf[:numel].view(bsz, h, ng, k * bs, g)  # (B, H, n_groups, pages * bs, G)
-            dst = c.view(bsz, h, ng, k, bs, g).permute(0, 3, 1, 4, 2, 5)  # (B, k, H, bs, n_groups, G)
-            unpack_into(codes[:, j0 : j0 + k].view(bsz, k, h, bs, ng, -1), self.spec.bits, dst)
-            yield off, sub.length, c[:, :, :, sub.offset : sub.offset + sub.length]
-
-    def score_pages(
-        self, q: torch.Tensor, pages: Mapping[str, torch.Tensor], region, read: PageRead = None
-    ) -> torch.Tensor:
-        """q . (A c + Z) = A (q . c) + Z sum(q), group by group: the codes are unpacked but never scaled."""
-        read = read or PageRead()
-        native = self._native(q, read)
-        if native is not None:  # any granularity: statistics per row of te tokens
-            return self._native_call(native.affine_scores, q, pages, region, region.length)
-        if not self._folds(q.dtype):
-            return super().score_pages(q, pages, region, read)
-        a, z = self._fold_stats(pages, region)
-        bsz, h, m, d = q.shape
-        ng = d // self.extent.channels
-        qg = q.reshape(bsz, h, m, ng, d // ng)
-        s = q.new_empty((bsz, h, m, region.length))
-        for off, n, c in self._code_blocks(pages, region, read):
-            if ng == 1:
-                s[..., off : off + n] = torch.matmul(q, c[:, :, 0].transpose(-1, -2))
-            else:
-                parts = torch.matmul(qg.transpose(2, 3), c.transpose(-1, -2))  # (B, H, n_groups, m, n)
-                a_t = a[:, :, off : off + n].permute(0, 1, 3, 2).unsqueeze(3)  # (B, H_f, n_groups, 1, n)
-                s[..., off : off + n] = (parts * a_t).sum(2)
-        qsum = qg.sum(-1)  # (B, H, m, n_groups)
-        if ng == 1:
-            return s.mul_(a.transpose(-1, -2)).add_(qsum * z.transpose(-1, -2))
-        return s.add_(torch.matmul(qsum, z.transpose(-1, -2)))
-
-    def value_pages(
-        self, p: torch.Tensor, pages: Mapping[str, torch.Tensor], region, read: PageRead = None
-    ) -> torch.Tensor:
-        """sum_t p_t (A_t c_t + Z_t) = (p A) @ c + p @ Z, group by group."""
-        read = read or PageRead()
-        native = self._native(p, read)
-        if native is not None:
-            return self._native_call(native.affine_values, p, pages, region)
-        if not self._folds(p.dtype):
-            return super().value_pages(p, pages, region, read)
-        a, z = self._fold_stats(pages, region)
-        bsz, h, m, _ = p.shape
-        ng, g = self.head_dim // self.extent.channels, self.extent.channels
-        if ng == 1:
-            w = p * a.transpose(-1, -2)  # (B, H, m, length)
-        else:
-            w = p.unsqueeze(2) * a.permute(0, 1, 3, 2).unsqueeze(3)  # (B, H, n_groups, m, length)
-        o = p.new_zeros((bsz, h, m, self.head_dim) if ng == 1 else (bsz, h, ng, m, g))
-        for off, n, c in self._code_blocks(pages, region, read):
-            if ng == 1:
-                o.add_(torch.matmul(w[..., off : off + n], c[:, :, 0]))
-            else:
-                o.add_(torch.matmul(w[..., off : off + n], c))  # (B, H, n_groups, m, G)
-        bias = torch.matmul(p, z)  # (B, H, m, n_groups)
-        if ng == 1:
-            return o.add_(bias)
-        return o.add_(bias.transpose(2, 3).unsqueeze(-1)).transpose(2, 3).reshape(bsz, h, m, ng * g)
-
-    def kernel_layout(self) -> KernelLayout:
-        e = self.extent
-        return KernelLayout(
-            bits=self.spec.bits,
-            symmetric=self.spec.symmetric,
-            token_extent=e.tokens,
-            channel_extent=e.channels,
-            shared_heads=e.heads == self.heads and self.heads > 1,
-        )
-
-
+@register(Codebook)
 class CodebookCodec(Codec):
     """Non-uniform levels (`nuq4`, `nuq3`, `nuq2`; KVQuant's NUQ): each block (the spec's granularity) is
     normalized to [-1, 1] and each value stored as the index of the nearest of 2^bits levels, a codebook
@@ -585,19 +446,17 @@ class CodebookCodec(Codec):
         """x (B, H, T, D) -> (x_n (*stat_shape, G) fp32, stored scale, stored zero or None,
         finite (*stat, 1)): the values the codebook quantizes; calibration fits the levels on exactly
         these."""
-        from .quantize import _round  # the affine codec's rounding of stored statistics
-
         blocks = self.extent.blocks(x.float())
         finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
         if self.spec.symmetric:
             zero = None
-            scale = _round(blocks.abs().amax(dim=-1, keepdim=True), self.scale_dtype, up=True)
+            scale = round_stat(blocks.abs().amax(dim=-1, keepdim=True), self.scale_dtype, up=True)
             z = torch.zeros((), device=x.device)
         else:
             lo, hi = blocks.aminmax(dim=-1, keepdim=True)
             zero = ((hi + lo) / 2).to(self.scale_dtype)
             z = zero.float()
-            scale = _round(torch.maximum(hi - z, z - lo), self.scale_dtype, up=True)
+            scale = round_stat(torch.maximum(hi - z, z - lo), self.scale_dtype, up=True)
         s = scale.float()
         finite &= torch.isfinite(s) & torch.isfinite(z)
         xn = torch.where(s > 0, (blocks - z) / s, torch.zeros_like(blocks))
@@ -686,35 +545,27 @@ class PreRopeCodec(Codec):
         return False
 
 
-# The codec family of a spec. Research codecs (rotation, FP8, codebooks, outliers) register here.
-_FAMILIES: dict[str, type[Codec]] = {"dense": DenseCodec, "affine": AffineCodec, "codebook": CodebookCodec}
+def codec_class(part) -> type[Codec]:
+    """The registered codec of a family config or transform object (by its type, or the nearest base)."""
+    for kind in type(part).__mro__:
+        if kind in _FAMILIES:
+            return _FAMILIES[kind]
+    known = ", ".join(sorted(k.__name__ for k in _FAMILIES))
+    raise SchemeError(
+        f"no codec is registered for {type(part).__name__} ({part!r}); registered: {known} "
+        "(a family's module registers its codec with @kvquant.codecs.base.register(ItsConfig))"
+    )
 
 
-def _families() -> dict[str, type[Codec]]:
-    """Every codec family by name: this module's, and the research codecs in their own modules (they import
-    this one, so they are imported here, on first use, and either module may be imported first)."""
-    from .engine import EngineCodec
-    from .engine_vllm import VLLMCodec
-    from .fp8 import FP8Codec
-    from .transforms import CenterCodec, OutlierCodec, RotationCodec
-    from .turbo import TurboCodec
-
-    return {**_FAMILIES, "fp8": FP8Codec, "center": CenterCodec, "rotate": RotationCodec,
-            "outliers": OutlierCodec, "engine": EngineCodec, "vllm": VLLMCodec, "turbo": TurboCodec}
-
-
-def _family(spec: QuantSpec) -> str:
-    if spec.turbo is not None:  # turboB... (codec_turbo)
-        return "turbo"
-    if spec.engine is not None:  # llama.cpp:q4_0, mxfp4, nvfp4 (codec_engine); vllm:* (codec_engine_vllm)
-        return "vllm" if spec.engine.startswith("vllm:") else "engine"
-    if spec.transforms:  # -center, -rot, -out wrap the codec of the spec without them, outermost first
-        return spec.transforms[0]
-    if spec.fp8 is not None:
-        return "fp8"
-    if spec.codebook:
-        return "codebook"
-    return "affine" if spec.is_quantized else "dense"
+def _build(spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype) -> Codec:
+    """The family's codec, then each transform's around it, innermost first: int4-g64-center-rot gives
+    CenterCodec(RotationCodec(AffineCodec)), each wrapper bound to the spec from its transform inwards."""
+    ts = spec.transforms
+    core = dataclasses.replace(spec, transforms=()) if ts else spec
+    codec = codec_class(spec.family)(core, heads, head_dim, dtype)
+    for i in reversed(range(len(ts))):
+        codec = codec_class(ts[i])(dataclasses.replace(spec, transforms=ts[i:]), codec)
+    return codec
 
 
 def codec_for(
@@ -739,8 +590,8 @@ def codec_for(
     if role not in (None, "k", "v"):
         raise ValueError(f"role must be 'k' or 'v', got {role!r}")
     inner = dataclasses.replace(spec, prerope=False) if spec.prerope else spec
-    codec = _families()[_family(inner)](inner, heads, head_dim, torch_dtype(dtype))
-    if spec.prerope:
+    codec = _build(inner, heads, head_dim, torch_dtype(dtype))
+    if spec.prerope:  # wraps last: keys un-rotated by RoPE before any transform sees them
         codec = PreRopeCodec(spec, codec, rope)
     codec.bind(layer=layer, role=role, calib=calib, spec=spec)
     return codec

@@ -79,7 +79,8 @@ from dataclasses import dataclass
 import torch
 
 from ..scheme import ENGINE_FORMATS, QuantSpec, SchemeError
-from .base import Codec, Field
+from ..spec_types import EngineFormat
+from .base import Codec, Field, register
 
 __all__ = [
     "BLOCK_TYPES",
@@ -495,6 +496,7 @@ def llama_rotation_default(engine: str, head_dim: int) -> bool:
     return engine.endswith("-rot") or head_dim % ATTN_ROT_MIN == 0
 
 
+@register(EngineFormat)
 class EngineCodec(Codec):
     """An engine's block format (`llama.cpp:q4_0`, ..., `mxfp4`, `nvfp4`): each (token, head) vector stored
     as its GGUF block bytes in one uint8 field `blocks`; see the module docstring for the formats and the

@@ -91,7 +91,8 @@ from dataclasses import dataclass
 import torch
 
 from ..scheme import QuantSpec, SchemeError, parse_scheme
-from .base import Codec, Field
+from ..spec_types import VLLMCacheDtype
+from .base import Codec, Field, register
 from .packing import pack, unpack
 
 __all__ = [
@@ -188,6 +189,7 @@ def vllm_dequantize(codes: torch.Tensor, fmt: str, scale: torch.Tensor | float =
     return _load(codes, f) * s.float()
 
 
+@register(VLLMCacheDtype)
 class VLLMCodec(Codec):
     """A vLLM cache dtype (`vllm:fp8_e4m3`, `vllm:int8_per_token_head`, ...); see the module docstring.
 

@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ..scheme import QuantSpec
-from .base import Codec, Field, KernelLayout, block_extent, torch_dtype
+from ..spec_types import FP8
+from .base import Codec, Field, KernelLayout, block_extent, register, round_stat, torch_dtype
 
 __all__ = ["FP8Codec", "FP8KernelLayout", "FP8_DTYPES", "fp8_max"]
 
@@ -47,14 +48,16 @@ class FP8KernelLayout(KernelLayout):
     unit_scale: bool = False
 
 
+@register(FP8)
 class FP8Codec(Codec):
     """FP8 codes with an absmax scale per block (or a fixed unit scale for -tensor)."""
 
     def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
         super().__init__(spec, heads, head_dim, dtype)
-        self.fp8_dtype = FP8_DTYPES[spec.fp8]
-        self.fmax = fp8_max(spec.fp8)
-        self.unit_scale = spec.unit_scale
+        self.kind = spec.family.kind  # "e4m3" or "e5m2"
+        self.fp8_dtype = FP8_DTYPES[self.kind]
+        self.fmax = fp8_max(self.kind)
+        self.unit_scale = spec.family.unit_scale
         self.extent = None if self.unit_scale else block_extent(spec, heads, head_dim)
         self.scale_dtype = torch_dtype(spec.scale_dtype) if spec.scale_dtype else dtype
 
@@ -72,15 +75,13 @@ class FP8Codec(Codec):
         return v.clamp(-self.fmax, self.fmax).to(self.fp8_dtype).view(torch.uint8)
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        from .quantize import _round  # the affine quantizer's "round the statistic so it covers" rule
-
         xf = x.to(self.dtype).float()
         if self.unit_scale:
             return {"codes": self._cast(xf).contiguous()}
         e = self.extent
         blocks = e.blocks(xf)  # (*stat_shape, G)
         finite = torch.isfinite(blocks).all(dim=-1, keepdim=True)
-        scale = _round(blocks.abs().amax(dim=-1, keepdim=True) / self.fmax, self.scale_dtype, up=True)
+        scale = round_stat(blocks.abs().amax(dim=-1, keepdim=True) / self.fmax, self.scale_dtype, up=True)
         s = scale.float()
         finite &= torch.isfinite(s)
         q = torch.where((s > 0) & finite, blocks / torch.where(s > 0, s, 1.0), 0.0)
@@ -91,11 +92,11 @@ class FP8Codec(Codec):
     def kernel_layout(self) -> FP8KernelLayout:
         """Read in place by the decode kernel (kvquant.kernels.decode_attention); appends take `encode`."""
         if self.unit_scale:
-            return FP8KernelLayout(bits=8, symmetric=True, channel_extent=self.head_dim, fp8=self.spec.fp8,
+            return FP8KernelLayout(bits=8, symmetric=True, channel_extent=self.head_dim, fp8=self.kind,
                                    unit_scale=True)
         e = self.extent
         return FP8KernelLayout(bits=8, symmetric=True, token_extent=e.tokens, channel_extent=e.channels,
-                               shared_heads=e.heads == self.heads and self.heads > 1, fp8=self.spec.fp8)
+                               shared_heads=e.heads == self.heads and self.heads > 1, fp8=self.kind)
 
     def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         values = fields["codes"].contiguous().view(self.fp8_dtype).float()  # (B, H, T, D)

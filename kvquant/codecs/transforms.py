@@ -41,15 +41,15 @@ Why these designs:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from ..scheme import QuantSpec, outlier_count, rotation_block
-from .base import Codec, Field, KernelLayout, codec_for
+from ..scheme import QuantSpec
+from ..spec_types import Center, Outliers, Rotate, rotation_block
+from .base import Codec, Field, KernelLayout, register
 
 __all__ = [
     "CenterCodec",
@@ -65,13 +65,13 @@ __all__ = [
 
 
 class _Wrapper(Codec):
-    """A transform around the codec of the same spec without the transform's option (`option`)."""
+    """A transform around `inner`, the codec of the same spec without the transform: spec.transforms[0] is
+    this wrapper's (`kvquant.codecs.base.codec_for` builds the chain, innermost first)."""
 
-    option: str = ""
-
-    def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
-        super().__init__(spec, heads, head_dim, dtype)
-        self.inner = codec_for(dataclasses.replace(spec, **{self.option: None}), heads, head_dim, dtype)
+    def __init__(self, spec: QuantSpec, inner: Codec):
+        super().__init__(spec, inner.heads, inner.head_dim, inner.dtype)
+        self.inner = inner
+        self.transform = spec.transforms[0]  # Center, Rotate, CalibRotate or Outliers (kvquant.spec_types)
 
     def fields(self) -> dict[str, Field]:
         return dict(self.inner.fields())
@@ -134,21 +134,14 @@ def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     return fwht(y, rotation_block(y.shape[-1])) * signs.to(y.device)
 
 
+@register(Rotate)
 class RotationCodec(_Wrapper):
-    """`-rot[S]`: encode R x with the inner codec; decode, then apply R^T. Fields and bytes: the inner's."""
+    """`-rot[S]`: encode R x with the inner codec; decode, then apply R^T. Fields and bytes: the inner's.
+    (`-crot` is `kvquant.codecs.calibrot.CalibRotationCodec`.)"""
 
-    option = "rotate"
-
-    def __new__(cls, spec: QuantSpec, *args, **kwargs):
-        if spec.rotate_calib:  # `-crot`: kvquant.codecs.calibrot's codec (not a RotationCodec)
-            from .calibrot import CalibRotationCodec
-
-            return CalibRotationCodec(spec, *args, **kwargs)
-        return super().__new__(cls)
-
-    def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
-        super().__init__(spec, heads, head_dim, dtype)
-        self.signs = hadamard_signs(spec.rotate, head_dim)
+    def __init__(self, spec: QuantSpec, inner: Codec):
+        super().__init__(spec, inner)
+        self.signs = hadamard_signs(self.transform.seed, self.head_dim)
         self._device_signs: dict[torch.device, torch.Tensor] = {}  # copied once, not per step (a host sync)
 
     def kernel_frame(self, device: torch.device) -> KernelFrame | None:
@@ -201,15 +194,14 @@ def kernel_frame(codec: Codec, device: torch.device) -> KernelFrame | None:
 # ---------------------------------------------------------------------------------------------- centering
 
 
+@register(Center)
 class CenterCodec(_Wrapper):
     """`-center[N]`: subtract the per-(head, channel) mean of each N tokens (stored in the K/V dtype) before
     the inner codec, add it back after decoding."""
 
-    option = "center"
-
-    def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
-        super().__init__(spec, heads, head_dim, dtype)
-        self.n = spec.center
+    def __init__(self, spec: QuantSpec, inner: Codec):
+        super().__init__(spec, inner)
+        self.n = self.transform.tokens
 
     def fields(self) -> dict[str, Field]:
         return {**self.inner.fields(), "offset": Field(self.heads, self.n, self.head_dim, self.dtype)}
@@ -230,16 +222,15 @@ class CenterCodec(_Wrapper):
 # ---------------------------------------------------------------------------------------------- outliers
 
 
+@register(Outliers)
 class OutlierCodec(_Wrapper):
     """`-outP`: the k = ceil(P% of D) largest magnitudes of each (token, head) vector kept exact (value in the
     K/V dtype + index), the rest encoded by the inner codec over the range of the non-outliers."""
 
-    option = "outliers"
-
-    def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
-        super().__init__(spec, heads, head_dim, dtype)
-        self.k = outlier_count(spec.outliers, head_dim)
-        self.index_dtype = torch.uint8 if head_dim <= 256 else torch.int16
+    def __init__(self, spec: QuantSpec, inner: Codec):
+        super().__init__(spec, inner)
+        self.k = self.transform.count(self.head_dim)
+        self.index_dtype = torch.uint8 if self.head_dim <= 256 else torch.int16
 
     def fields(self) -> dict[str, Field]:
         return {

@@ -52,7 +52,8 @@ import numpy as np
 import torch
 
 from ..scheme import QuantSpec
-from .base import Codec, Field
+from ..spec_types import TurboSpec
+from .base import Codec, Field, register
 from .packing import pack, packed_size, unpack
 from .transforms import hadamard_signs, rotate, unrotate
 
@@ -128,6 +129,7 @@ def _packed(n: int, bits: int) -> int:
     return (n + 7) // 8 if bits == 1 else packed_size(n, bits)
 
 
+@register(TurboSpec)
 class TurboCodec(Codec):
     """`turboB[.25|.5|.75][-qjl][-had][-nc][-seedS][-blockN]`: see the module docstring."""
 

@@ -6,7 +6,7 @@ folded into the products: the same arithmetic as `AffineCodec.score_pages` / `va
 its twin (tests/test_native.py compares them; fp32, summation order differs).
 
 Built ahead, never during a run: `python -m kvquant.native build` (setup.sh runs it; about half a minute
-with a C++ compiler) writes the library under `kvquant.models.cache_root() / "native" / <key>`, the key a
+with a C++ compiler) writes the library under `kvquant.paths.cache_root() / "native" / <key>`, the key a
 hash of the source, torch's version and the compiler flags. A run loads it if it is there; if not (no
 compiler, or KVQUANT_NATIVE=0), the PyTorch path serves and one log line says how to build it.
 """
@@ -55,7 +55,7 @@ def _name() -> str:
 
 def library_path() -> Path:
     """Where the built library of this source, torch and flags lives (it may not exist)."""
-    from ..models import cache_root
+    from ..paths import cache_root
 
     return cache_root() / "native" / _name() / f"{_name()}.so"
 

@@ -239,7 +239,7 @@ def test_cli_runs_a_shipped_task_with_the_network_blocked(tmp_path, tiny_model_d
         "TQDM_DISABLE": "1",
     }
     script = shutil.which("kvquant-lm-eval", path=str(Path(sys.executable).parent))
-    cmd = [script] if script else [sys.executable, "-m", "kvquant.eval.lm_eval_model"]
+    cmd = [script] if script else [sys.executable, "-m", "kvquant.eval.lm_eval_cli"]
     cmd += [
         "--model",
         "kvquant",

@@ -159,13 +159,13 @@ def test_scale_commands_give_one_process_metrics(tmp_path, tiny_model_dir):
     (tmp_path / "map.json").write_text(json.dumps(dmap))
     args = f"pretrained={tiny_model_dir},scheme=int4-g64,chunk=256"
     task = ["--include_path", str(TASKS), "--tasks", "kvquant_mmlu", "--limit", "3", "--log_samples"]
-    entry = ["-m", "kvquant.eval.lm_eval_model", "--model", "kvquant"]
+    entry = ["-m", "kvquant.eval.lm_eval_cli", "--model", "kvquant"]
     commands = {
         "torchrun": [*_tool("torchrun", "torch.distributed.run"), "--standalone", "--nproc-per-node", "2",
                      *entry, "--model_args", args, "--batch_size", "2", *task],
         "accelerate": [*_tool("accelerate", "accelerate.commands.launch"), "launch", "--multi_gpu",
                        "--num_processes", "2", *entry, "--model_args", args, *task],
-        "device_map": [*_tool("kvquant-lm-eval", "kvquant.eval.lm_eval_model"), "--model", "kvquant",
+        "device_map": [*_tool("kvquant-lm-eval", "kvquant.eval.lm_eval_cli"), "--model", "kvquant",
                        "--model_args", f"{args},device_map={tmp_path / 'map.json'}", "--device", "cpu",
                        *task],
     }

@@ -139,7 +139,7 @@ def test_fake_mode_follows_the_cache_sink_rule_on_sliding_layers():
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from kvquant.eval.measure import FakeQuantCache, _fake_quantize_stored
+    from kvquant.eval.fakequant import FakeQuantCache, _fake_quantize_stored
     from tiny_models import make_tiny_gemma
 
     model = make_tiny_gemma(sliding_window=64)

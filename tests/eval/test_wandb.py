@@ -355,7 +355,7 @@ def test_run_py_logs_a_passkey_run(tmp_path, monkeypatch):
 
 
 def test_lm_eval_runs_get_a_group_name_and_top_level_scheme(monkeypatch):
-    from kvquant.eval import lm_eval_model
+    from kvquant.eval import lm_eval_cli, lm_eval_model
 
     argv = [
         "run",
@@ -368,13 +368,13 @@ def test_lm_eval_runs_get_a_group_name_and_top_level_scheme(monkeypatch):
         "--wandb_args",
         "project=p",
     ]
-    assert lm_eval_model.wandb_defaults(argv) == {
+    assert lm_eval_cli.wandb_defaults(argv) == {
         "WANDB_RUN_GROUP": "lm-eval kvquant_mmlu",
         "WANDB_NAME": "kivi-2",
     }
-    assert lm_eval_model.wandb_defaults(argv[:-2]) == {}  # no W&B run: nothing set
+    assert lm_eval_cli.wandb_defaults(argv[:-2]) == {}  # no W&B run: nothing set
     semi = ["--model_args", "scheme=k=int4-channel-g64;v=int4-g64", "--wandb_args", "project=p"]
-    assert lm_eval_model.wandb_defaults(semi)["WANDB_NAME"] == "k=int4-channel-g64,v=int4-g64"
+    assert lm_eval_cli.wandb_defaults(semi)["WANDB_NAME"] == "k=int4-channel-g64,v=int4-g64"
 
     class Run:  # the run lm-eval's WandbLogger started before the model was built
         def __init__(self):

@@ -67,8 +67,8 @@ def test_gpu_check_reports_a_failed_phase_and_runs_the_others(tmp_path):
 
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script")
 def test_gpu_check_e2e_dry_run_counts_recompiles(tmp_path):
-    """The e2e phase's CPU dry run: 16 interpreted decode steps give the torch path's tokens, and the
-    recompile count (variants the Triton run compiled, counted by a passthrough launcher) is recorded:
+    """The e2e phase's CPU dry run: 6 interpreted decode steps (16 on the GPU) give the torch path's tokens,
+    and the recompile count (variants the Triton run compiled, counted by a passthrough launcher) is recorded:
     one split and one reduce variant for the whole generation."""
     out = tmp_path / "check"
     proc = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--dry-run"],

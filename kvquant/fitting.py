@@ -1,0 +1,132 @@
+"""Fit a calibration's tables on text: run the model over calibration documents, normalize each layer's K
+and V as its codec does, and fit codebooks (`kvquant.calibration.fit_codebook`) and `-crot` rotations
+(`kvquant.rotfit.fit_rotations`); `kvquant.calibration.save_calibration` writes what is fitted.
+
+Collection (`collect`): one forward per calibration document through the model with an ordinary cache; each
+layer's K and V (keys un-rotated for `-prerope` specs) are normalized exactly as
+`kvquant.codecs.base.CodebookCodec.normalize` does at run time.
+
+Above both the codecs and `kvquant.calibration` (the file format, which the codecs read): neither imports
+this module.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+from .calibration import Entry, fit_codebook
+from .scheme import QuantSpec
+
+if TYPE_CHECKING:  # torch is imported where it is used
+    import torch
+
+__all__ = ["calibrate", "collect"]
+
+
+def collect(
+    model,
+    documents: Sequence[torch.Tensor],
+    entries: Iterable[Entry],
+    *,
+    max_samples: int = 1_000_000,
+    seed: int = 0,
+    progress=None,
+) -> dict[str, torch.Tensor]:
+    """Normalized calibration values per table: {entry name: 1-D float32 sample}. documents: token ids
+    (1, T) each, run one forward each with a DynamicCache; the K/V of every layer are normalized by the
+    entry's codec."""
+    import torch
+
+    with torch.inference_mode():
+        return _collect(model, documents, entries, max_samples=max_samples, seed=seed, progress=progress)
+
+
+def _collect(model, documents, entries, *, max_samples: int, seed: int, progress) -> dict:
+    import torch
+    from transformers import DynamicCache
+
+    from .codecs.base import codec_for
+    from .memory import KVShape
+
+    entries = list(entries)
+    shape = KVShape.from_config(model.config)
+    rope = None
+    if any(e.spec.prerope for e in entries):
+        from .rope import Rope
+
+        rope = Rope.from_config(model.config)
+    per_doc = max(max_samples // max(len(documents), 1), 1)
+    g = torch.Generator().manual_seed(seed)
+
+    # specs that differ only in bits normalize alike: one sample per (layer, role, spec at 4 bits)
+    def norm_key(e: Entry) -> tuple[int, str, QuantSpec]:
+        return e.layer, e.role, dataclasses.replace(e.spec, bits=4)
+
+    keys = {norm_key(e) for e in entries}
+    samples: dict[tuple, list[torch.Tensor]] = {k: [] for k in keys}
+    for n, ids in enumerate(documents):
+        cache = DynamicCache(config=model.config)
+        model.get_decoder()(input_ids=ids, cache=cache, use_cache=True)  # no logits needed
+        for layer_idx, role, spec in sorted(keys, key=str):
+            layer = cache.layers[layer_idx]
+            x = (layer.keys if role == "k" else layer.values).float()  # (1, H, T, D) at positions 0..
+            codec = codec_for(spec, shape.num_kv_heads, shape.head_dim, torch.float32, rope=rope)
+            t = x.shape[2] - x.shape[2] % codec.token_group
+            v = codec.codebook_values(x[:, :, :t], 0).flatten()  # normalized as the codec does (RoPE undone)
+            if v.numel() > per_doc:
+                v = v[torch.randperm(v.numel(), generator=g)[:per_doc]]
+            samples[(layer_idx, role, spec)].append(v.clone())
+        del cache
+        if progress is not None:
+            progress(n + 1, len(documents))
+    return {e.name: torch.cat(samples[norm_key(e)]) for e in entries}
+
+
+def calibrate(
+    model,
+    documents: Sequence[torch.Tensor],
+    entries: Iterable[Entry],
+    *,
+    seed: int = 0,
+    max_samples: int = 1_000_000,
+    progress=None,
+    rotation_docs: int = 2,
+    rotation_tokens: int = 1024,
+    rotation_steps: int = 100,
+    rotation_queries: int = 128,
+    report: list | None = None,
+) -> dict[str, torch.Tensor]:
+    """Fit every entry's table on the documents: {entry name: levels or rotation}.
+
+    Codebooks of specs without -crot: `collect` on every document, then `fit_codebook`. -crot specs
+    (`kvquant.rotfit.fit_rotations`, rotation and codebook): the first `rotation_docs` documents cut
+    to `rotation_tokens`, `rotation_steps` Adam steps on `rotation_queries` sampled queries per document; the
+    next document (cut alike), when there is one, is held out and scored into `report`."""
+    entries = list(entries)
+    plain = [e for e in entries if not e.spec.rotate_calib]
+    tables = {}
+    if plain:
+        values = collect(model, documents, plain, max_samples=max_samples, seed=seed, progress=progress)
+        tables = {
+            e.name: fit_codebook(values[e.name], e.spec.bits, seed=seed, max_samples=max_samples)
+            for e in plain
+        }
+    crot = [e for e in entries if e.spec.rotate_calib]
+    if crot:
+        from .rotfit import fit_rotations
+
+        docs = [d[:, :rotation_tokens] for d in documents]
+        tables |= fit_rotations(
+            model,
+            docs[:rotation_docs],
+            crot,
+            held_out=docs[rotation_docs : rotation_docs + 1],
+            steps=rotation_steps,
+            queries=rotation_queries,
+            seed=seed,
+            max_samples=max_samples,
+            report=report,
+        )
+    return tables
