@@ -77,12 +77,11 @@ def layer_paths(backend: str, device: torch.device, key_codec, value_codec, head
     if not uses_kernels(backend, device):
         return REFERENCE
     from .codecs.transforms import kernel_frame
-    from .kernels.layouts import decode_frame
 
     codecs = (key_codec, value_codec)
     encode = all(kernel_frame(c, device) is not None for c in codecs)
     attend = head_dim >= 16 and not head_dim & (head_dim - 1)
-    attend = attend and all(decode_frame(c, device) is not None for c in codecs)
+    attend = attend and all(kernel_reads(c, device) for c in codecs)
     for codec in codecs:
         line = kernel_fallback(codec, device)  # names what the reference path serves, if any
         if line:
