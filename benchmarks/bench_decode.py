@@ -215,7 +215,7 @@ def graph_time(make_call, bytes_one: int, device, l2_bytes: int = 50 << 20):
 def run_point(layout: str, scheme_text: str, t: int, b: int, device, copy_bw: float) -> list[dict]:
     import torch
     import torch.nn.functional as F
-    from kvquant.kernels.decode_attention import _gather_fields, decode_attention, decode_attention_ref
+    from kvquant.kernels.decode_attention import decode_attention, decode_attention_ref
     from kvquant.kernels.testing import make_paged_layer
 
     from kvquant.scheme import parse_scheme
@@ -239,42 +239,25 @@ def run_point(layout: str, scheme_text: str, t: int, b: int, device, copy_bw: fl
     total = sink + body + recent
     mask = torch.ones(1, total, dtype=torch.bool, device=device)
 
-    def dequant_all(lay):
-        """(B, H_kv, T, D) FP16 K and V of every part (sink | body | recent), as a dequantizing cache
-        would."""
-        parts_k, parts_v = [], []
-        for region, pool_k, pool_v in ((lay.sink, lay.fp_k, lay.fp_v), (lay.body, None, None),
-                                       (lay.recent, lay.fp_k, lay.fp_v)):
-            if not region.length:
-                continue
-            if pool_k is None:
-                parts_k.append(kc.decode(_gather_fields(lay.key_pages, kc, region), dtype))
-                parts_v.append(vc.decode(_gather_fields(lay.value_pages, vc, region), dtype))
-            else:
-                from kvquant.kernels.decode_attention import gather_region
-                parts_k.append(gather_region(pool_k, region))
-                parts_v.append(gather_region(pool_v, region))
-        return torch.cat(parts_k, 2), torch.cat(parts_v, 2)
-
-    k, v = dequant_all(layer)  # the SDPA baseline's FP16 cache
+    k, v = _dequant_all(layer, kc, vc, dtype)  # the SDPA baseline's FP16 cache
     fp_tokens = sink + recent
     fused_bytes = (kc.bytes(body) + vc.bytes(body)) * b + 2 * b * h_kv * fp_tokens * d * 2
     fp16_bytes = 2 * k.numel() * k.element_size()
     rec = _Recorder()
     fused = lambda: decode_attention(q, *layer.decode_args(), None, mask, registry=rec)  # noqa: E731
     flash, backend = sdpa_flash(q, k, v)
+
+    def dequant_sdpa():  # dequantize every part on each call, then SDPA over FP16
+        return F.scaled_dot_product_attention(q, *_dequant_all(layer, kc, vc, dtype), enable_gqa=True)
+
     methods = {
         "fused": (fused, fused_bytes, ""),
         "sdpa_fp16": (flash, fp16_bytes, f"sdpa backend: {backend}"),
-        "dequant_sdpa": (lambda: F.scaled_dot_product_attention(q, *dequant_all(layer), enable_gqa=True),
-                         fused_bytes, ""),
+        "dequant_sdpa": (dequant_sdpa, fused_bytes, ""),
     }
     # the fused kernel must agree with the fp32 reference before its time means anything
-    ref = decode_attention_ref(q, *layer.decode_args(), None, mask, upcast=True)
-    got = fused()
-    err = (got.float() - ref).abs().max().item()
-    if not err < 2e-2:
-        raise AssertionError(f"{layout} {scheme_text} T={t} B={b}: fused output is off by {err:.3g}")
+    _check_fused(fused, decode_attention_ref(q, *layer.decode_args(), None, mask, upcast=True),
+                 f"{layout} {scheme_text} T={t} B={b}")
     split_launch, reduce_launch = rec.launches[-2], rec.launches[-1]
     replay = lambda launch: (lambda: launch[0][launch[1]](*launch[2], **launch[3]))  # noqa: E731
     methods["fused_split_only"] = (replay(split_launch), fused_bytes, "the split kernel alone")
@@ -292,12 +275,49 @@ def run_point(layout: str, scheme_text: str, t: int, b: int, device, copy_bw: fl
         times["fused_graph_rotating"] = (g_ms, g_ms, g_ms)
         hosts["fused_graph_rotating"] = float("nan")
         methods["fused_graph_rotating"] = (None, fused_bytes, f"CUDA graph over {g_r} rotating layer copies")
+    point = dict(layout=layout, scheme=scheme_text, batch=b, context=total)
+    return _point_rows(point, methods, times, hosts, copy_bw)
+
+
+def _dequant_all(lay, kc, vc, dtype):
+    """(B, H_kv, T, D) FP16 K and V of every part (sink | body | recent) of the paged layer `lay`, as a
+    dequantizing cache would (kc, vc: its K and V codecs)."""
+    import torch
+    from kvquant.kernels.decode_attention import _gather_fields
+
+    parts_k, parts_v = [], []
+    for region, pool_k, pool_v in ((lay.sink, lay.fp_k, lay.fp_v), (lay.body, None, None),
+                                   (lay.recent, lay.fp_k, lay.fp_v)):
+        if not region.length:
+            continue
+        if pool_k is None:
+            parts_k.append(kc.decode(_gather_fields(lay.key_pages, kc, region), dtype))
+            parts_v.append(vc.decode(_gather_fields(lay.value_pages, vc, region), dtype))
+        else:
+            from kvquant.kernels.decode_attention import gather_region
+            parts_k.append(gather_region(pool_k, region))
+            parts_v.append(gather_region(pool_v, region))
+    return torch.cat(parts_k, 2), torch.cat(parts_v, 2)
+
+
+def _check_fused(fused, ref, what: str) -> None:
+    """Refuse to time a fused kernel whose output (`fused()`) is off the fp32 reference by 2e-2 or more."""
+    got = fused()
+    err = (got.float() - ref).abs().max().item()
+    if not err < 2e-2:
+        raise AssertionError(f"{what}: fused output is off by {err:.3g}")
+
+
+def _point_rows(point: dict, methods: dict, times: dict, hosts: dict, copy_bw: float) -> list[dict]:
+    """One result row per method at this point (layout, scheme, batch, context): its median and p20/p80
+    time, bandwidth against the copy bandwidth and the peak, speedups over SDPA and dequantize-then-SDPA,
+    host time per call."""
     rows = []
     for name, (_, nb, note) in methods.items():
         med, p20, p80 = times[name]
         gbs = nb / (med * 1e-3) / 1e9
         rows.append(dict(
-            layout=layout, scheme=scheme_text, batch=b, context=total, method=name,
+            **point, method=name,
             us_median=round(med * 1e3, 2), us_p20=round(p20 * 1e3, 2), us_p80=round(p80 * 1e3, 2),
             bytes=nb, gb_s=round(gbs, 1), pct_copy_bw=round(100 * gbs / copy_bw, 1),
             pct_peak=round(100 * gbs / PEAK_GBS, 1),

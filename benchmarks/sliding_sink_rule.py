@@ -124,7 +124,7 @@ def child(save: Path) -> None:
         ref = model(ids, cache=DynamicCache(config=model.config), use_cache=True).logits[0]
         cache, seen_c = _recorded(kvquant.QuantizedCache(SCHEME, model.config))
         out_c = model(ids, cache=cache, use_cache=True).logits[0]
-        fake, seen_f = _recorded(FakeQuantCache(SCHEME, model.config))
+        fake, seen_f = _recorded(FakeQuantCache(kvquant.parse_scheme(SCHEME), model.config))
         out_f = model(ids, cache=fake, use_cache=True).logits[0]
     seen_cache = {}
     for i, (k_in, v_in, view_k, view_v) in seen_c.items():  # LayerViews: decode what attention read

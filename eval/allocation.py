@@ -103,11 +103,15 @@ def scheme_kl(
     model,
     documents: Sequence[torch.Tensor],
     refs: Sequence[torch.Tensor],
-    scheme: Scheme | str,
+    scheme: Scheme,
     chunk: int = 0,
 ) -> float:
     """Mean KL(p_fp || p_scheme) per predicted token over the documents, through a QuantizedCache in cache
     mode (decode-exact: one forward, or `chunk` tokens at a time; the result does not depend on it)."""
+    if not isinstance(scheme, Scheme):  # parsed once, where the user's text came in (experiments/allocate.py)
+        raise TypeError(
+            f"scheme_kl takes a parsed Scheme (kvquant.parse_scheme), not {type(scheme).__name__} {scheme!r}"
+        )
     total, tokens = 0.0, 0
     for ids, ref in zip(documents, refs, strict=True):
         cache = kvquant.QuantizedCache(scheme, model.config, backend="torch")
@@ -345,18 +349,9 @@ def run_allocation(
     calib_text = calibration_documents(
         tokenizer, "wikipedia", docs, length, exclude_from=EXCLUDE_FROM, seed=seed
     )
-    setup = {
-        "model": model_path or "embedded SmolLM2-135M",
-        "key_candidates": list(key_candidates),
-        "value_candidates": list(value_candidates),
-        "base": str(base),
-        "documents": calib_text.titles,
-        "length": length,
-        "mode": "cache",
-        "group": group,
-    }
-    if around is not None:
-        setup["around"] = str(around)
+    setup = _allocation_setup(
+        model_path, key_candidates, value_candidates, base, calib_text.titles, length, group, around
+    )
     out = Path(out) if out is not None else None
     sens, base_kl = _sensitivities(
         model, calib_text.ids, setup, out, key_candidates, value_candidates, base, around, group
@@ -375,16 +370,10 @@ def run_allocation(
     }
     del refs
     if eval_docs:
-        ids, titles = evaluation_documents(
-            tokenizer, eval_docs, eval_length, seed, exclude_titles=calib_text.titles
+        result["evaluation"] = _evaluation(
+            model, tokenizer, eval_docs, eval_length, seed, calib_text.titles, [scheme, *compare], sens,
+            shape.num_layers, around is not None, base_kl,
         )
-        result["evaluation"] = {
-            "documents": titles,
-            "tokens_each": eval_length,
-            "mode": "cache",
-            "rows": _evaluate(model, ids, [scheme, *compare], sens, shape.num_layers, around is not None,
-                              base_kl),
-        }
     result["choice"] = {f"{i}.{r}": s for (i, r), s in sorted(chosen.items())}
     if around is not None:
         result["around"] = {"scheme": str(around), "measured_kl_calibration": base_kl}
@@ -394,6 +383,38 @@ def run_allocation(
         out.mkdir(parents=True, exist_ok=True)
         (out / "allocation.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+def _allocation_setup(model_path: str | None, key_candidates: Sequence[str], value_candidates: Sequence[str],
+                      base: Scheme, titles: list, length: int, group: int, around: Scheme | None) -> dict:
+    """What the sensitivities were measured with: out/sensitivity.json is reused only when its setup is this
+    one, and --write-calib stores it beside the allocation."""
+    setup = {
+        "model": model_path or "embedded SmolLM2-135M",
+        "key_candidates": list(key_candidates),
+        "value_candidates": list(value_candidates),
+        "base": str(base),
+        "documents": titles,
+        "length": length,
+        "mode": "cache",
+        "group": group,
+    }
+    if around is not None:
+        setup["around"] = str(around)
+    return setup
+
+
+def _evaluation(model, tokenizer, docs: int, length: int, seed: int, calib_titles, schemes: Sequence[Scheme],
+                sens: Sensitivity, num_layers: int, joint: bool, base_kl: float) -> dict:
+    """allocation.json's "evaluation": predicted vs measured KL of `schemes` (the allocation first) on `docs`
+    held-out articles of `length` tokens, none of them a calibration article."""
+    ids, titles = evaluation_documents(tokenizer, docs, length, seed, exclude_titles=calib_titles)
+    return {
+        "documents": titles,
+        "tokens_each": length,
+        "mode": "cache",
+        "rows": _evaluate(model, ids, schemes, sens, num_layers, joint, base_kl),
+    }
 
 
 def _sensitivities(model, ids, setup: dict, out, key_candidates, value_candidates, base: Scheme,

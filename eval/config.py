@@ -8,13 +8,19 @@ datasets or wandb are imported. `kvquant.eval.runner.run` repeats these checks f
 from __future__ import annotations
 
 import argparse
+import copy
 import difflib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn, TypeVar
 
 from kvquant import quirks
+
+if TYPE_CHECKING:
+    from kvquant.scheme import Scheme
+
+    from .schemes import EvalScheme
 
 __all__ = [
     "DEFAULT_CHUNK",
@@ -26,6 +32,7 @@ __all__ = [
     "MODES",
     "MODE_CHOICES",
     "WANDB_MODES",
+    "ParsedSchemes",
     "Progress",
     "RunConfig",
     "RunError",
@@ -39,6 +46,7 @@ __all__ = [
     "DEFAULT_DEPTHS",
     "DEFAULT_TRIALS",
     "check_inputs",
+    "validate",
     "script_parser",
     "parse_lengths",
     "parse_depths",
@@ -194,14 +202,50 @@ def _positive(name: str, value: int | None, minimum: int, why: str) -> None:
         raise RunError(f"{name} {value} must be at least {minimum} ({why})")
 
 
+_Config = TypeVar("_Config")
+
+
+@dataclass(frozen=True)
+class ParsedSchemes:
+    """A config's schemes parsed once, by validation (`validate`, `kvquant.eval.serve.check_config`), beside
+    the `schemes` they were parsed from: a config whose `schemes` change (`dataclasses.replace`) drops
+    them."""
+
+    source: tuple  # the config's `schemes` as given (strings or scheme objects)
+    schemes: tuple  # what they parse to: EvalSchemes (RunConfig, de-duplicated) or Schemes (ServeConfig)
+
+    @staticmethod
+    def attach(config: _Config, schemes) -> _Config:
+        """A copy of the frozen `config` holding `schemes`, parsed from its `schemes`. A copy, not
+        `dataclasses.replace`: nothing is re-derived (RunConfig's `chunk_given` stays as it was)."""
+        new = copy.copy(config)
+        object.__setattr__(new, "parsed_schemes", ParsedSchemes(tuple(config.schemes), tuple(schemes)))
+        return new
+
+    @staticmethod
+    def kept(config) -> ParsedSchemes | None:
+        """`config.parsed_schemes` while they are still those of `config.schemes`, else None (__post_init__
+        of both configs: a copy whose schemes were replaced is not validated)."""
+        held = config.parsed_schemes
+        if held is None:
+            return None
+        if not isinstance(held, ParsedSchemes):
+            raise TypeError(
+                f"parsed_schemes is set by validation (a ParsedSchemes), not {type(held).__name__}; leave it "
+                "out and validate the config"
+            )
+        return held if held.source == tuple(config.schemes) else None
+
+
 @dataclass(frozen=True)
 class RunConfig:
     """One evaluation: which schemes, on what model and text, how long and in which mode.
 
     Values that make no sense raise RunError here (never silently replaced by a default); whether the
-    schemes parse and the paths exist is `check_inputs`'s job."""
+    schemes parse and the paths exist is `validate`'s job, which returns a copy holding the parsed schemes
+    (`parsed`): code past validation takes those, never the strings."""
 
-    schemes: tuple[str, ...]
+    schemes: tuple[str | Scheme | EvalScheme, ...]  # as given: 'int4-g64', a Scheme, an EvalScheme
     model: str | None = None  # None: the embedded default
     corpus: str = "wikipedia"
     mode: str = "cache"  # cache | fake | both
@@ -227,6 +271,8 @@ class RunConfig:
     merge: bool = False  # --merge: measure nothing; summary, report and plots from every shard's results
     device_map: str | None = None  # --device-map auto|balanced|FILE: the model split across devices
     extra: dict = field(default_factory=dict, compare=False)
+    # set by `validate` (ParsedSchemes.attach), never by hand; read it as `parsed`
+    parsed_schemes: ParsedSchemes | None = field(default=None, compare=False, repr=False)
     chunk_given: bool = field(init=False, default=True)  # False: --chunk was left to its default
 
     def __post_init__(self) -> None:
@@ -236,6 +282,7 @@ class RunConfig:
                 f"{type(self.schemes).__name__} {self.schemes!r}"
             )
         object.__setattr__(self, "schemes", tuple(self.schemes))
+        object.__setattr__(self, "parsed_schemes", ParsedSchemes.kept(self))
         object.__setattr__(self, "chunk_given", self.chunk is not None)
         if self.chunk is None:
             object.__setattr__(self, "chunk", DEFAULT_CHUNK)
@@ -317,6 +364,17 @@ class RunConfig:
         _positive("--trials", self.trials, 1, "keys per grid cell")
 
     @property
+    def parsed(self) -> tuple[EvalScheme, ...]:
+        """The schemes parsed by `validate` (kvquant's and peers, de-duplicated in order): what every function
+        past validation takes. A config not validated raises RunError."""
+        if self.parsed_schemes is None:
+            raise RunError(
+                "this RunConfig holds no parsed schemes: validate it first "
+                "(config = kvquant.eval.config.validate(config); runner.run does)"
+            )
+        return self.parsed_schemes.schemes
+
+    @property
     def is_retrieval(self) -> bool:
         return self.task in RETRIEVAL_TASKS
 
@@ -369,19 +427,27 @@ def _check_device_map(spec: str) -> None:
         raise RunError(f"--device-map: {e}") from None
 
 
-def check_inputs(config: RunConfig, *, check_model: bool = True) -> list:
-    """Parse the schemes and check the model, corpus and run directory, without torch.
+def validate(config: RunConfig, *, check_model: bool = True) -> RunConfig:
+    """Parse the schemes and check the model, corpus and run directory, without torch; the copy of `config`
+    holding the parsed schemes (`config.parsed`: EvalSchemes, de-duplicated in order). Raises RunError.
 
-    Returns the parsed schemes (kvquant `Scheme`s and peers), de-duplicated in order. Raises RunError.
-    check_model=False when the caller hands `run` a model object instead of a path."""
-    schemes = resolve_schemes(config.schemes)
+    A config validated before is checked again without parsing a string again (its parsed schemes are
+    re-checked). check_model=False when the caller hands `run` a model object instead of a path."""
+    held = config.parsed_schemes
+    schemes = resolve_schemes(held.schemes if held is not None else config.schemes)
     if check_model:
         check_model_path(config.model)
         check_fits(config, schemes, model_facts(config.model))
     check_quantizes(config, schemes)
     check_corpus(config.corpus)
     check_out(config.out, config.force)
-    return schemes
+    return ParsedSchemes.attach(config, schemes)
+
+
+def check_inputs(config: RunConfig, *, check_model: bool = True) -> list[EvalScheme]:
+    """`validate(config).parsed` as a list: the parsed schemes (kvquant's and peers), de-duplicated in order.
+    Raises RunError."""
+    return list(validate(config, check_model=check_model).parsed)
 
 
 def check_fits(config: RunConfig, schemes, facts: ModelFacts) -> None:

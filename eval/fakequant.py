@@ -58,8 +58,13 @@ class FakeQuantLayer(DynamicLayer):
 class FakeQuantCache(Cache):
     """Layers return fake-quantized K/V as plain tensors (kvquant attention hands them to SDPA)."""
 
-    def __init__(self, scheme: Scheme | str, config=None):
-        self.scheme = kvquant.parse_scheme(scheme)
+    def __init__(self, scheme: Scheme, config=None):
+        if not isinstance(scheme, Scheme):  # parsed once, at the entry point (KVQuantScheme holds it parsed)
+            raise TypeError(
+                f"FakeQuantCache takes a parsed Scheme (kvquant.parse_scheme), not {type(scheme).__name__} "
+                f"{scheme!r}"
+            )
+        self.scheme = scheme
         if config is None:
             if self.scheme.layers:
                 raise ValueError(f"scheme {self.scheme} has per-layer specs: pass the model's config")

@@ -47,7 +47,7 @@ from .config import (
     RunInterrupted,
     Shard,
 )
-from .schemes import EvalScheme, scheme_label
+from .schemes import EvalScheme
 
 logger = logging.getLogger(__name__)
 
@@ -284,10 +284,10 @@ def runs_in(mode: str, schemes: list[EvalScheme]) -> list[EvalScheme]:
 def record_skipped(results, mode: str, skipped: list[EvalScheme]) -> None:
     """One `skipped` row per scheme that does not run in `mode` (written once per run directory)."""
     for s in skipped:
-        if not results.has(scheme_label(s), mode, -1, "skipped"):
+        if not results.has(s.label, mode, -1, "skipped"):
             results.append(
                 {
-                    "scheme": scheme_label(s),
+                    "scheme": s.label,
                     "mode": mode,
                     "doc": -1,
                     "bucket": "skipped",
@@ -325,7 +325,9 @@ def display_names(schemes: list[EvalScheme], dtype_name: str | None = None) -> d
     return names
 
 
-def memory_of(schemes, model_config, kv_dtype: str, run_dtype: str | None = None) -> dict[str, res.Memory]:
+def memory_of(
+    schemes: list[EvalScheme], model_config, kv_dtype: str, run_dtype: str | None = None
+) -> dict[str, res.Memory]:
     """Bytes at the storage dtype for the reference and every scheme (each through its protocol); with
     run_dtype (float32, ...) also held at the dtype the run computes and stores in (beside nbytes())."""
     import kvquant
@@ -342,7 +344,7 @@ def memory_of(schemes, model_config, kv_dtype: str, run_dtype: str | None = None
         (lambda n: fp_held(model_config, n, rbytes)) if rbytes else None,
     )}
     for s in schemes:
-        out[scheme_label(s)] = res.Memory(
+        out[s.label] = res.Memory(
             s.bytes_per_token(shape, dbytes), lambda n, s=s: s.held_bytes(model_config, n, dbytes), values,
             (lambda n, s=s: s.held_bytes(model_config, n, rbytes)) if rbytes else None,
         )

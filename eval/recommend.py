@@ -281,10 +281,7 @@ def recommend(
     exact-match rate becomes a column of the table (not a criterion of the pick)."""
     from .runner import run
 
-    if gpu not in GPUS:
-        raise RunError(f"unknown --gpu {gpu!r}; known: {', '.join(GPUS)}")
-    if not (math.isfinite(tolerance) and tolerance > 0):
-        raise RunError(f"--tolerance {tolerance} must be a positive fraction, e.g. 0.01 for 1%")
+    _check_target(gpu, tolerance)
     facts = model_facts(model)
     plan = candidates_for(engine, model, facts)
     if not plan.candidates:
@@ -301,20 +298,10 @@ def recommend(
     t0 = time.perf_counter()
     summaries: dict[str, list[dict]] = {}
     run_dirs: dict[str, Path] = {}
-    schemes = tuple(c.scheme for c in plan.candidates)
-    configs = {
-        mode: RunConfig(
-            schemes=schemes, model=model, corpus=corpus, mode=mode, max_length=length, chunk=chunk, docs=docs,
-            device=device, dtype=dtype, out=str(root / mode), force=force, shard=shard, merge=merge,
-        )
-        for mode in ("prefill", "cache")
-    }
-    if passkey:
-        configs["passkey"] = RunConfig(
-            schemes=schemes, model=model, corpus=corpus, mode="prefill", task="passkey",
-            lengths=(max(min(length, PASSKEY_LENGTH), 128),), depths=(0.0, 0.5, 1.0), trials=1, chunk=chunk,
-            device=device, dtype=dtype, out=str(root / "passkey"), force=force, shard=shard, merge=merge,
-        )
+    configs = _sweep_configs(
+        tuple(c.scheme for c in plan.candidates), root, passkey, model=model, corpus=corpus, length=length,
+        chunk=chunk, docs=docs, device=device, dtype=dtype, force=force, shard=shard, merge=merge,
+    )
     for name, config in configs.items():
         run_dir, summary = run(config, model=model_obj, tokenizer=tokenizer)
         summaries[name], run_dirs[name] = summary, run_dir
@@ -333,6 +320,35 @@ def recommend(
 
 
 PASSKEY_LENGTH = 1024  # the passkey column's prompt length (the run's length where shorter)
+
+
+def _check_target(gpu: str, tolerance: float) -> None:
+    """Refuse an unknown --gpu or a --tolerance that is not a positive fraction (before any model loads)."""
+    if gpu not in GPUS:
+        raise RunError(f"unknown --gpu {gpu!r}; known: {', '.join(GPUS)}")
+    if not (math.isfinite(tolerance) and tolerance > 0):
+        raise RunError(f"--tolerance {tolerance} must be a positive fraction, e.g. 0.01 for 1%")
+
+
+def _sweep_configs(schemes: tuple, root: Path, passkey: bool, *, model: str | None, corpus: str, length: int,
+                   chunk: int | None, docs: int | None, device: str, dtype: str, force: bool,
+                   shard: Shard | None, merge: bool) -> dict[str, RunConfig]:
+    """The sweep's runs, one directory under `root` each: prefill and cache mode over `length` tokens, and
+    with passkey a one-length passkey grid in prefill mode (depths 0, 0.5, 1, one trial)."""
+    configs = {
+        mode: RunConfig(
+            schemes=schemes, model=model, corpus=corpus, mode=mode, max_length=length, chunk=chunk, docs=docs,
+            device=device, dtype=dtype, out=str(root / mode), force=force, shard=shard, merge=merge,
+        )
+        for mode in ("prefill", "cache")
+    }
+    if passkey:
+        configs["passkey"] = RunConfig(
+            schemes=schemes, model=model, corpus=corpus, mode="prefill", task="passkey",
+            lengths=(max(min(length, PASSKEY_LENGTH), 128),), depths=(0.0, 0.5, 1.0), trials=1, chunk=chunk,
+            device=device, dtype=dtype, out=str(root / "passkey"), force=force, shard=shard, merge=merge,
+        )
+    return configs
 
 
 def _add_passkey(rows: list[dict], retrieval: list[dict]) -> None:

@@ -627,7 +627,7 @@ def summarize(
     aggregate; distributions and 95% bootstrap intervals (documents, then tokens) from the per-token values in
     `tokens`, when every document's are there. Drift compares with the reference over the same tokens. A mode
     `<m>-shift` (a second realization, --noise-floor) gives mode <m>'s rows their `drift_noise`."""
-    from .stats import N_BOOT, bootstrap_intervals, seed_for
+    from .stats import N_BOOT
 
     n_boot = n_boot or N_BOOT
     rows = list(rows)
@@ -638,27 +638,10 @@ def summarize(
     for scheme, mode in order:
         mem = memory.get(scheme)
         ref_mem = memory.get(reference)
-        formula = mem.formula if mem else math.nan
-        base = dict(
-            scheme=scheme,
-            mode=mode,
-            bytes_per_token_formula=formula,
-            effective_bits=formula * 8 / mem.values_per_token if mem else math.nan,
-            status=failed[(scheme, mode)]["status"] if (scheme, mode) in failed else "ok",
-        )
-        bucket_rows: dict[tuple, list[dict]] = defaultdict(list)
-        for r in groups.get((scheme, mode), []):
-            if (mode, r["doc"], r["bucket"]) in ref:
-                bucket_rows[(r["bucket_start"], r["bucket_end"], r["bucket"])].append(r)
+        base = _base_row(scheme, mode, mem, failed)
+        bucket_rows = _rows_by_bucket(groups.get((scheme, mode), []), mode, ref)
         if not bucket_rows:
-            if base["status"] != "ok":  # nothing measured: no bits or saving for a scheme that failed
-                base.update(bytes_per_token_formula=math.nan, effective_bits=math.nan)
-                saving = math.nan
-            else:
-                saving = ref_mem.formula / formula if mem and ref_mem else math.nan
-            empty = {c: math.nan for c in metrics.SUMMARY_COLUMNS if c not in base}
-            out.append(empty | base | dict(bucket="all", bucket_start=0, bucket_end=0, docs=0, tokens=0,
-                                           saving=saving))
+            out.append(_unmeasured_row(base, mem, ref_mem))
             continue
         keys = sorted(bucket_rows)
         for key in [*keys, None]:
@@ -668,27 +651,7 @@ def summarize(
             else:
                 bs, be, label = key
                 rs = bucket_rows[key]
-            totals = {f: sum(_nan(r.get(f)) for r in rs) for f in metrics.ROW_SUMS}
-            totals["ref_nll_sum"] = sum(ref[(mode, r["doc"], r["bucket"])]["nll_sum"] for r in rs)
-            per_doc = _doc_tokens(rs, scheme, mode, tokens)
-            pooled = _pooled(list(per_doc.values())) if per_doc else None
-            row = dict(base, bucket=label, bucket_start=bs, bucket_end=be, docs=len({r["doc"] for r in rs}))
-            for m in metrics.BUCKET_METRICS:
-                row[m.name] = m.value(totals, pooled)
-            for m in metrics.INTERVAL_METRICS:
-                row[f"{m.name}_lo"] = row[f"{m.name}_hi"] = math.nan
-            if per_doc and scheme != reference:
-                ci = bootstrap_intervals(
-                    [d["nll_diff"] for d in per_doc.values()],
-                    [d["kl"] for d in per_doc.values()],
-                    n_boot=n_boot,
-                    seed=seed_for(seed, scheme, mode, label),
-                )
-                for name, (lo, hi) in ci.items():
-                    row[f"{name}_lo"], row[f"{name}_hi"] = lo, hi
-            elif scheme == reference:
-                for m in metrics.INTERVAL_METRICS:
-                    row[f"{m.name}_lo"] = row[f"{m.name}_hi"] = row[m.name]
+            row = _metric_row(base, (bs, be, label), rs, ref, tokens, reference, n_boot, seed)
             # bytes held at the end of the bucket (at the end of the document for `all`)
             _bytes_columns(row, rs if label != "all" else bucket_rows[keys[-1]], mode, max(int(be), 1),
                            mem, ref_mem)
@@ -696,6 +659,80 @@ def summarize(
             out.append(row)
     _noise(out)
     return out
+
+
+def _base_row(scheme: str, mode: str, mem: Memory | None, failed: dict) -> dict:
+    """The columns every summary row of (scheme, mode) shares: its bits from the memory formula and its
+    status (a failed run's own status)."""
+    formula = mem.formula if mem else math.nan
+    return dict(
+        scheme=scheme,
+        mode=mode,
+        bytes_per_token_formula=formula,
+        effective_bits=formula * 8 / mem.values_per_token if mem else math.nan,
+        status=failed[(scheme, mode)]["status"] if (scheme, mode) in failed else "ok",
+    )
+
+
+def _rows_by_bucket(rows: list[dict], mode: str, ref: dict) -> dict[tuple, list[dict]]:
+    """(bucket_start, bucket_end, bucket) -> the rows measured in that bucket that the reference measured
+    too (same mode, document and bucket)."""
+    bucket_rows: dict[tuple, list[dict]] = defaultdict(list)
+    for r in rows:
+        if (mode, r["doc"], r["bucket"]) in ref:
+            bucket_rows[(r["bucket_start"], r["bucket_end"], r["bucket"])].append(r)
+    return bucket_rows
+
+
+def _unmeasured_row(base: dict, mem: Memory | None, ref_mem: Memory | None) -> dict:
+    """The one `all` row of a (scheme, mode) with no bucket measured: every metric nan; a failed scheme also
+    gets no bits or saving."""
+    if base["status"] != "ok":  # nothing measured: no bits or saving for a scheme that failed
+        base.update(bytes_per_token_formula=math.nan, effective_bits=math.nan)
+        saving = math.nan
+    else:
+        saving = ref_mem.formula / mem.formula if mem and ref_mem else math.nan
+    empty = {c: math.nan for c in metrics.SUMMARY_COLUMNS if c not in base}
+    return empty | base | dict(bucket="all", bucket_start=0, bucket_end=0, docs=0, tokens=0, saving=saving)
+
+
+def _metric_row(base: dict, bucket: tuple, rs: list[dict], ref: dict, tokens: TokenStore | None,
+                reference: str, n_boot: int, seed: int) -> dict:
+    """One summary row: `base` plus the bucket (start, end, label) and every bucket metric over the rows
+    `rs`, with its 95% interval columns."""
+    bs, be, label = bucket
+    scheme, mode = base["scheme"], base["mode"]
+    totals = {f: sum(_nan(r.get(f)) for r in rs) for f in metrics.ROW_SUMS}
+    totals["ref_nll_sum"] = sum(ref[(mode, r["doc"], r["bucket"])]["nll_sum"] for r in rs)
+    per_doc = _doc_tokens(rs, scheme, mode, tokens)
+    pooled = _pooled(list(per_doc.values())) if per_doc else None
+    row = dict(base, bucket=label, bucket_start=bs, bucket_end=be, docs=len({r["doc"] for r in rs}))
+    for m in metrics.BUCKET_METRICS:
+        row[m.name] = m.value(totals, pooled)
+    _interval_columns(row, per_doc, reference, n_boot, seed)
+    return row
+
+
+def _interval_columns(row: dict, per_doc: dict, reference: str, n_boot: int, seed: int) -> None:
+    """Set `row`'s `<metric>_lo` / `_hi`: bootstrap intervals over the documents' per-token values (seeded by
+    scheme, mode and bucket), the value itself for the reference, nan without per-token values."""
+    from .stats import bootstrap_intervals, seed_for
+
+    scheme = row["scheme"]
+    for m in metrics.INTERVAL_METRICS:
+        row[f"{m.name}_lo"] = row[f"{m.name}_hi"] = math.nan
+    if per_doc and scheme != reference:
+        ci = bootstrap_intervals(
+            [d["nll_diff"] for d in per_doc.values()],
+            [d["kl"] for d in per_doc.values()],
+            n_boot=n_boot,
+            seed=seed_for(seed, scheme, row["mode"], row["bucket"]),
+        )
+        for name, (lo, hi) in ci.items():
+            row[f"{name}_lo"], row[f"{name}_hi"] = lo, hi
+    elif scheme == reference:
+        for m in metrics.INTERVAL_METRICS:
+            row[f"{m.name}_lo"] = row[f"{m.name}_hi"] = row[m.name]
 
 
 def _grouped(rows: list[dict], ok: list[dict], reference: str

@@ -47,10 +47,10 @@ import torch
 
 from . import harness, metrics, scoring
 from . import results as res
-from .config import Progress, RunConfig, RunError, check_inputs
+from .config import Progress, RunConfig, RunError, validate
 from .data import CorpusError, load_corpus
 from .measure import REFERENCE, _hidden, cache_nbytes, make_cache, steps, store_prefill
-from .schemes import EvalScheme, scheme_label
+from .schemes import EvalScheme
 
 __all__ = [
     "Probe",
@@ -289,8 +289,8 @@ def score_probe(
 def _identity(config: RunConfig, schemes, model_name: str) -> dict:
     return {
         "task": config.task,
-        "schemes": [scheme_label(s) for s in schemes],
-        "chunks": {scheme_label(s): config.chunk_for(s) for s in schemes} | {REFERENCE: config.chunk},
+        "schemes": [s.label for s in schemes],
+        "chunks": {s.label: config.chunk_for(s) for s in schemes} | {REFERENCE: config.chunk},
         "model": model_name,
         "corpus": config.corpus,
         "modes": list(config.modes),
@@ -333,7 +333,8 @@ def run_retrieval(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Pat
     if not config.is_retrieval:
         raise RunError(f"task {config.task!r} is not a retrieval task")
     role = harness.role_of(config)
-    schemes = check_inputs(config, check_model=model is None)
+    config = validate(config, check_model=model is None)  # the schemes parsed here, once
+    schemes = list(config.parsed)
     device = harness.rank_device(config.device, role)
     if model is None:
         harness.check_device(device)
@@ -396,7 +397,7 @@ def _points(grid: Grid, modes: Sequence[str], schemes) -> list[tuple]:
         (label, mode, t, cell_label(L, d))
         for mode in modes
         for L, d, t in grid.cells()
-        for label in [REFERENCE, *(scheme_label(s) for s in harness.runs_in(mode, schemes))]
+        for label in [REFERENCE, *(s.label for s in harness.runs_in(mode, schemes))]
     ]
 
 
@@ -415,7 +416,7 @@ def _measure(
         harness.record_skipped(results, mode, [s for s in schemes if s not in mode_schemes])
         probe = probes[key]
         for s in [None, *mode_schemes]:
-            label = REFERENCE if s is None else scheme_label(s)
+            label = REFERENCE if s is None else s.label
             if mine is not None and (label, mode, probe.trial, probe.cell) not in mine:
                 continue  # another process's point
             if (label, mode) in failed or results.has(label, mode, probe.trial, probe.cell):

@@ -31,8 +31,8 @@ from .config import (
     RunError,
     RunIncomplete,
     RunInterrupted,
-    check_inputs,
     resolve_schemes,
+    validate,
 )
 from .data import CorpusError, Document, load_corpus
 from .harness import (  # noqa: F401 - the names callers of runner have always found here
@@ -53,7 +53,7 @@ from .measure import (  # noqa: F401
     steps,
 )
 from .refcache import ReferenceCache
-from .schemes import EvalScheme, scheme_label
+from .schemes import EvalScheme
 
 __all__ = [
     "RunConfig",
@@ -164,7 +164,7 @@ def expected_points(
         (label, mode, doc, b.label)
         for mode in modes
         for doc in doc_ids
-        for label in [REFERENCE, *(scheme_label(s) for s in harness.runs_in(mode, schemes))]
+        for label in [REFERENCE, *(s.label for s in harness.runs_in(mode, schemes))]
         for b in buckets
     ]
 
@@ -272,7 +272,8 @@ def run(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[di
         from .retrieval import run_retrieval
 
         return run_retrieval(config, model=model, tokenizer=tokenizer)
-    schemes = check_inputs(config, check_model=model is None)
+    config = validate(config, check_model=model is None)  # the schemes parsed here, once
+    schemes = list(config.parsed)
     device = harness.rank_device(config.device, role)
     if model is None:
         check_device(device)
@@ -282,7 +283,7 @@ def run(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Path, list[di
     if not config.merge:  # a merge runs no forward
         _warn_key_offsets(model, schemes, tokenizer, config.corpus)
     doc_ids, doc_tokens, titles = _select_documents(config, docs, tokenizer)
-    identity = _identity(config, [scheme_label(s) for s in schemes], doc_ids, model_name, schemes)
+    identity = _identity(config, [s.label for s in schemes], doc_ids, model_name, schemes)
     run_dir = run_dir_for(config, identity)
     buckets = make_buckets(config.max_length)
     documents = [
@@ -385,9 +386,9 @@ def _measure(
                     todo = [
                         s
                         for s in mode_schemes
-                        if owns(mode, doc, scheme_label(s))
-                        and (scheme_label(s), mode) not in failed
-                        and not all(results.has(scheme_label(s), mode, doc, b.label) for b in buckets)
+                        if owns(mode, doc, s.label)
+                        and (s.label, mode) not in failed
+                        and not all(results.has(s.label, mode, doc, b.label) for b in buckets)
                     ]
                     if not todo and (
                         not write_ref or all(results.has(REFERENCE, mode, doc, b.label) for b in buckets)
@@ -428,7 +429,7 @@ def _measure_group(
         stored = refs.load(key)
         if stored is not None:
             logger.info("reference of doc %d (%s) read from the reference cache", doc, mode)
-    memory = meter.document([scheme_label(s) for s in group], live_reference=stored is None)
+    memory = meter.document([s.label for s in group], live_reference=stored is None)
     pending: list[dict] = []  # the last bucket's rows, written with the memory measured
     measured: dict[str, dict] = {}
     try:

@@ -27,16 +27,20 @@ import os
 import time
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import harness
-from .config import WANDB_MODES, RunError
+from .config import WANDB_MODES, ParsedSchemes, RunError
 from .results import SERVE_SUMMARY_COLUMNS
 
 __all__ = ["SUMMARY_COLUMNS", "ServeConfig", "ServeError", "check_config", "run", "build_workload"]
 
 logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from kvquant.scheme import Scheme
 
 SUMMARY_COLUMNS = SERVE_SUMMARY_COLUMNS
 
@@ -47,6 +51,9 @@ class ServeError(ValueError):
 
 @dataclass(frozen=True)
 class ServeConfig:
+    """One serving simulation. `schemes` as given label its rows; `check_config` returns the copy holding them
+    parsed (`parsed`, one Scheme per label), which every function past validation takes."""
+
     schemes: tuple[str, ...] = ("fp16", "int4-g64", "kivi-4")
     requests: int = 8
     context: int = 512  # prompt tokens per request (system prompt + message)
@@ -71,23 +78,36 @@ class ServeConfig:
     force: bool = False
     wandb: str = "disabled"
     extra: dict = field(default_factory=dict, compare=False)
+    # set by `check_config` (ParsedSchemes.attach), never by hand; read it as `parsed` / `scheme_of`
+    parsed_schemes: ParsedSchemes | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "parsed_schemes", ParsedSchemes.kept(self))
 
     @property
     def shared_tokens(self) -> int:
         return int(round(self.context * self.shared_fraction))
 
+    @property
+    def parsed(self) -> tuple[Scheme, ...]:
+        """The schemes parsed by `check_config`, one per `schemes` item; ServeError when not validated."""
+        if self.parsed_schemes is None:
+            raise ServeError(
+                "this ServeConfig holds no parsed schemes: validate it first "
+                "(config = kvquant.eval.serve.check_config(config); serve.run does)"
+            )
+        return self.parsed_schemes.schemes
 
-def check_config(config: ServeConfig) -> None:
-    """Refuse bad values before torch is imported (schemes, policies, sizes, the run directory)."""
-    from kvquant.scheme import SchemeError, parse_scheme
+    def scheme_of(self, label: str) -> Scheme:
+        """The parsed scheme of a row's `scheme` label (an item of `schemes`)."""
+        return dict(zip(self.schemes, self.parsed, strict=True))[label]
 
-    if not config.schemes:
-        raise ServeError("name at least one scheme")
-    for s in config.schemes:
-        try:
-            parse_scheme(s)
-        except SchemeError as e:
-            raise ServeError(str(e)) from None
+
+def check_config(config: ServeConfig) -> ServeConfig:
+    """Refuse bad values before torch is imported (schemes, policies, sizes, the run directory); the copy of
+    `config` holding its schemes parsed (`config.parsed`). A config validated before is checked again without
+    parsing a string again."""
+    schemes = _parse_schemes(config)
     for name, value, low in (
         ("requests", config.requests, 1),
         ("context", config.context, 2),
@@ -116,11 +136,32 @@ def check_config(config: ServeConfig) -> None:
         raise ServeError(f"--dtype must be float32, float64, bfloat16 or float16, got {config.dtype!r}")
     if config.out:
         _check_run_dir(Path(config.out), config)
+    return ParsedSchemes.attach(config, schemes)
+
+
+def _parse_schemes(config: ServeConfig) -> list[Scheme]:
+    """Each of config.schemes parsed (its parsed copy's, when validated before); SchemeError as ServeError."""
+    from kvquant.scheme import SchemeError, parse_scheme
+
+    if not config.schemes:
+        raise ServeError("name at least one scheme")
+    held = config.parsed_schemes
+    try:
+        return [parse_scheme(s) for s in (held.schemes if held is not None else config.schemes)]
+    except SchemeError as e:
+        raise ServeError(str(e)) from None
+
+
+def _settings(config: ServeConfig) -> dict:
+    """The config's fields as config.json holds them, without the parsed schemes (the labels say them)."""
+    fields = asdict(replace(config, parsed_schemes=None))
+    del fields["parsed_schemes"]
+    return fields
 
 
 def identity(config: ServeConfig) -> dict:
     """What decides a serve run's rows: two runs with equal identities share a directory (resume)."""
-    ident = {k: v for k, v in asdict(config).items() if k not in ("out", "force", "wandb", "extra")}
+    ident = {k: v for k, v in _settings(config).items() if k not in ("out", "force", "wandb", "extra")}
     return json.loads(json.dumps(ident, default=str))  # tuples as lists, as config.json holds them
 
 
@@ -259,7 +300,7 @@ def simulate(
 ) -> RowResult:
     """Run the requests `concurrency` at a time (admit one per tick, then one decoding step for each running
     request), teacher-forced on the reference replies."""
-    from kvquant.store import BudgetError
+    from kvquant.paging import BudgetError
 
     row = RowResult(label["scheme"], label["prefix_cache"], label["policy"], engine.store.budget_bytes)
     pending, running = deque(range(len(workload))), []
@@ -330,7 +371,7 @@ def simulate(
 
 def fit_requests(
     model,
-    scheme: str,
+    scheme: Scheme,
     workload: list[Request],
     budget: int,
     prefix_cache: str | None,
@@ -338,8 +379,8 @@ def fit_requests(
     limit: int,
 ) -> int:
     """Requests admitted (prefilled and held) one after another until the budget refuses the next."""
+    from kvquant.paging import BudgetError
     from kvquant.serving import Engine
-    from kvquant.store import BudgetError
 
     engine = Engine(
         model,
@@ -374,15 +415,17 @@ def _forcing_budget(row: RowResult, fraction: float, model, block_size: int) -> 
     """R + fraction * (P - R) (see ServeConfig.budget_fraction), R with a margin of two FP16 pages per layer
     and sequence: the running requests were sampled once per tick, a forward may take a little more."""
     from kvquant import memory
+    from kvquant.scheme import FP16, Scheme
 
     # two FP pages per layer, as each layer's plan sizes them at FP16 (the store's accounting dtype)
-    margin = 2 * sum(p.page_bytes()[0] for p in memory.layer_plans(model.config, "fp16", 2, block_size))
+    fp16 = Scheme(FP16, FP16)
+    margin = 2 * sum(p.page_bytes()[0] for p in memory.layer_plans(model.config, fp16, 2, block_size))
     running = row.running_peak_bytes + margin
     return int(running + fraction * max(row.peak_bytes - running, 0))
 
 
 def paired_ttft(
-    model, scheme: str, workload: list[Request], index: str, block_size: int
+    model, scheme: Scheme, workload: list[Request], index: str, block_size: int
 ) -> tuple[float, float]:
     """Median time to first token of requests 2..N as a prefix hit and as a miss, measured back to back
     (alternating which goes first), so that the ratio is not the load of a shared machine drifting between
@@ -507,7 +550,7 @@ def run(config: ServeConfig, *, model=None, tokenizer=None) -> tuple[Path, list[
     Resumable as `experiments/run.py`: each summary row's lines (requests, timeline, fit probe, paired TTFT
     and the row itself) are appended at once, flushed and fsync'd; rerunning the same command (after Ctrl-C,
     SIGTERM or kill -9) measures only the rows missing. The directory is locked for the run's life."""
-    check_config(config)
+    config = check_config(config)  # the schemes parsed here, once
     import torch
 
     if config.threads:
@@ -595,7 +638,11 @@ class _Inputs:
         probe = build_workload(
             tokenizer, config.fit_max, config.context, config.shared_tokens, config.seed + 1
         )
-        fp16_request = memory.cache_bytes(model.config, "fp16", config.context, block_size=config.block_size)
+        from kvquant.scheme import FP16, Scheme
+
+        fp16_request = memory.cache_bytes(
+            model.config, Scheme(FP16, FP16), config.context, block_size=config.block_size
+        )
         return cls(model, workload, refs, probe, config.fit_fp16_requests * fp16_request)
 
 
@@ -615,7 +662,7 @@ def _config_record(config: ServeConfig, cfg_path: Path, rows_left: int) -> dict:
                    "git_commit": harness.git_commit()}
         )
         return cfg_json
-    return asdict(config) | {
+    return _settings(config) | {
         "kind": "serve",
         "identity": identity(config),
         "shared_tokens": config.shared_tokens,
@@ -633,13 +680,14 @@ def _measure_point(
     from kvquant import memory
     from kvquant.serving import Engine
 
-    scheme, prefix, policy = point
+    name, prefix, policy = point  # name: the scheme as given, which labels its rows
+    scheme = config.scheme_of(name)
     model, workload = inputs.model, inputs.workload
-    label = dict(scheme=scheme, prefix_cache=prefix, policy=policy)
+    label = dict(scheme=name, prefix_cache=prefix, policy=policy)
     budget = (
         None
         if policy == "none"
-        else _forcing_budget(unbudgeted[scheme], config.budget_fraction, model, config.block_size)
+        else _forcing_budget(unbudgeted[name], config.budget_fraction, model, config.block_size)
     )
     logger.info("%s", label | {"budget_bytes": budget})
     engine = Engine(
@@ -652,7 +700,7 @@ def _measure_point(
     )
     row = simulate(engine, workload, inputs.refs, config.concurrency, label)
     if prefix != "off" and policy == "none":
-        unbudgeted[scheme] = row
+        unbudgeted[name] = row
     if engine.index is not None:
         engine.index.clear()
     engine.store.check()

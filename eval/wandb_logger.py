@@ -198,17 +198,7 @@ def log_run(run_dir: Path, mode: str, project: str | None = None, group: str | N
     run_dir = Path(run_dir)
     config = json.loads((run_dir / "config.json").read_text(encoding="utf-8"))
     task = _task(config, run_dir)
-    if task == "serve":
-        from .results import SERVE_SUMMARY_COLUMNS
-
-        rows = _read_csv(run_dir / "summary.csv", SERVE_SUMMARY_COLUMNS, ("scheme", "prefix_cache", "policy"))
-        writer = _serve_writer
-    elif task in RETRIEVAL_TASKS:
-        rows = _read_csv(run_dir / "summary.csv", RETRIEVAL_COLUMNS, RETRIEVAL_TEXT)
-        writer = _retrieval_writer
-    else:
-        rows = read_summary(run_dir / "summary.csv")
-        writer = _perplexity_writer
+    rows, writer = _summary_and_writer(run_dir, task)
     pngs = sorted(run_dir.glob("*.png"))
 
     import wandb  # only when logging: importing wandb costs about a second
@@ -260,6 +250,19 @@ def log_run(run_dir: Path, mode: str, project: str | None = None, group: str | N
             log_one(run, pair)
     with init(None) as run:
         run.log(compare(label))
+
+
+def _summary_and_writer(run_dir: Path, task: str) -> tuple[list[dict], Callable]:
+    """The run's summary.csv rows, read with the columns of its task (serving, retrieval or perplexity), and
+    the writer that logs that task's rows (`_serve_writer`, `_retrieval_writer`, `_perplexity_writer`)."""
+    if task == "serve":
+        from .results import SERVE_SUMMARY_COLUMNS
+
+        rows = _read_csv(run_dir / "summary.csv", SERVE_SUMMARY_COLUMNS, ("scheme", "prefix_cache", "policy"))
+        return rows, _serve_writer
+    if task in RETRIEVAL_TASKS:
+        return _read_csv(run_dir / "summary.csv", RETRIEVAL_COLUMNS, RETRIEVAL_TEXT), _retrieval_writer
+    return read_summary(run_dir / "summary.csv"), _perplexity_writer
 
 
 Writer = tuple[Callable, Callable]

@@ -34,11 +34,11 @@ from kvquant.eval.config import (
     RunError,
     RunIncomplete,
     RunInterrupted,
-    check_inputs,
     parse_depths,
     parse_lengths,
     parse_shard,
     script_parser,
+    validate,
 )
 
 logger = logging.getLogger("kvquant.run")
@@ -318,7 +318,7 @@ def _cli(argv: Sequence[str] | None) -> int:
         parser.error("name at least one scheme, e.g. --scheme int4-g64 (--list-schemes lists them)")
     try:
         config = config_from_args(args)
-        check_inputs(config)  # schemes, model path, corpus, --out: before torch is imported
+        config = validate(config)  # schemes (parsed once), model path, corpus, --out: before torch
         from kvquant.eval.harness import check_wandb
 
         check_wandb(config.wandb)  # a W&B mode that cannot log: refused before any work, every task alike

@@ -235,7 +235,7 @@ def _cli(argv: Sequence[str] | None) -> int:
         return capacity_cli(args)
     try:
         config = config_from_args(args)
-        check_config(config)
+        config = check_config(config)  # the schemes parsed once, here
     except (ServeError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USAGE

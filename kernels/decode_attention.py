@@ -801,8 +801,41 @@ def _mask_arg(key_mask: torch.Tensor | None, bsz: int, total: int, like: torch.T
     return m, m.stride(0), m.stride(1), True
 
 
-def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, sink, body, recent,
-            scaling, key_mask, num_splits, num_warps, body_stages, fp_stages, registry, idx64=None):
+@dataclass(frozen=True)
+class _Extent:
+    """Where a call's tokens are: region lengths (sink, body, recent) and the pools' geometry."""
+
+    s_len: int
+    t_body: int
+    r_len: int
+    h_kv: int
+    bs: int  # tokens per page
+
+    @property
+    def total(self) -> int:
+        return self.s_len + self.t_body + self.r_len
+
+    @property
+    def has_fp(self) -> bool:
+        return self.s_len + self.r_len > 0
+
+
+@dataclass(frozen=True)
+class _Splits:
+    """How the token axis is cut: body splits of body_chunk tokens, then FP splits of fp_chunk."""
+
+    n_body: int
+    nsplit: int
+    body_chunk: int
+    fp_chunk: int
+
+
+# the per-codec constants `_body_args` returns, in its order; the split kernel takes them as K_* and V_*
+_CODEC_CONSTS = ("BITS", "SYM", "TE", "CE", "SHARED", "FMT", "UNIT", "LUT", "CENTER", "OUT")
+
+
+def _check_query(query: torch.Tensor) -> tuple[int, int, int]:
+    """(B, H_q, D) of a query (B, H_q, 1, D) in fp16/bf16/fp32 with D a power of two >= 16."""
     if query.dim() != 4 or query.shape[2] != 1:
         raise ValueError(f"decode_attention: query must be (B, H_q, 1, D), got {tuple(query.shape)}")
     if query.dtype not in _FLOAT:
@@ -810,18 +843,23 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
     bsz, h_q, _, d = query.shape
     if d < 16 or d & (d - 1):
         raise ValueError(f"decode_attention: head_dim must be a power of two >= 16, got {d}")
+    return bsz, h_q, d
+
+
+def _extent(query, fp_k, fp_v, key_pages, key_codec, value_codec, sink, body, recent) -> _Extent:
+    """The regions' lengths and the pools' (H_kv, BS), checked: some token, GQA, FP pools of the query's
+    head_dim and device, a body offset and block size on each codec's token group."""
     s_len, t_body, r_len = _length(sink), _length(body), _length(recent)
-    total = s_len + t_body + r_len
-    if total == 0:
+    if s_len + t_body + r_len == 0:
         raise ValueError("decode_attention: the layer holds no tokens")
     has_fp = s_len + r_len > 0
     ref_pool = fp_k if has_fp else next(iter(key_pages.values()))
     h_kv, bs = ref_pool.shape[1], ref_pool.shape[2]
-    if h_q % h_kv:
-        raise ValueError(f"decode_attention: H_q={h_q} is not a multiple of H_kv={h_kv}")
+    if query.shape[1] % h_kv:
+        raise ValueError(f"decode_attention: H_q={query.shape[1]} is not a multiple of H_kv={h_kv}")
     if has_fp:
         for name, pool in (("fp_k", fp_k), ("fp_v", fp_v)):
-            _check_pool(name, pool, (h_kv, bs, d), query)
+            _check_pool(name, pool, (h_kv, bs, query.shape[3]), query)
             if pool.dtype not in _FLOAT:
                 raise TypeError(f"decode_attention: {name} must be float, got {pool.dtype}")
     if t_body:
@@ -830,32 +868,68 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
             if bs % te or int(body.offset) % te:
                 raise ValueError(f"decode_attention: block_size {bs} and the body offset must be multiples "
                                  f"of the token group {te}")
-    registry = registry or default_registry()
-    kb, (k_bits, k_sym, k_te, k_ce, k_sh, k_fmt, k_unit, k_lut, k_center, k_out) = _body_args(
-        key_codec if t_body else None, key_pages, h_kv, d, bs, query, registry)
-    vb, (v_bits, v_sym, v_te, v_ce, v_sh, v_fmt, v_unit, v_lut, v_center, v_out) = _body_args(
-        value_codec if t_body else None, value_pages, h_kv, d, bs, query, registry)
+    return _Extent(s_len, t_body, r_len, h_kv, bs)
 
-    g = h_q // h_kv
-    g_pad = max(8, triton.next_power_of_2(g))  # the N side of P V (mma n8), padded
-    bh = bsz * h_kv
-    n_body = 0
-    body_chunk = BLOCK_T
-    if t_body:
-        n_body = _num_splits(bh, t_body, query.device) if num_splits is None else max(1, min(num_splits,
-                                                                                              t_body))
-        body_chunk = triton.cdiv(triton.cdiv(t_body, n_body), BLOCK_T) * BLOCK_T
-        n_body = triton.cdiv(t_body, body_chunk)
+
+def _splits(bh: int, ext: _Extent, num_splits: int | None, device: torch.device) -> _Splits:
+    """Body splits (`_num_splits` unless given, at most one per token), each a whole number of BLOCK_T
+    blocks, then FP splits of 4 * BLOCK_T sink and recent tokens."""
+    n_body, body_chunk = 0, BLOCK_T
+    if ext.t_body:
+        n_body = _num_splits(bh, ext.t_body, device) if num_splits is None else max(1, min(num_splits,
+                                                                                          ext.t_body))
+        body_chunk = triton.cdiv(triton.cdiv(ext.t_body, n_body), BLOCK_T) * BLOCK_T
+        n_body = triton.cdiv(ext.t_body, body_chunk)
     fp_chunk = 4 * BLOCK_T
-    n_fp = triton.cdiv(s_len + r_len, fp_chunk)
-    nsplit = n_body + n_fp
+    n_fp = triton.cdiv(ext.s_len + ext.r_len, fp_chunk)
+    return _Splits(n_body, n_body + n_fp, body_chunk, fp_chunk)
 
-    mask, s_mb, s_mt, has_mask = _mask_arg(key_mask, bsz, total, query)
+
+def _constants(query: torch.Tensor, ext: _Extent, g: int, k_consts: tuple, v_consts: tuple, has_mask: bool,
+               idx64: bool, num_warps: int, body_stages: int | None, fp_stages: int) -> dict:
+    """The split kernel's constexprs (what one compiled variant is specialised on)."""
+    d = query.shape[3]
+    return dict(
+        H_KV=ext.h_kv, G=g, G_PAD=max(8, triton.next_power_of_2(g)),  # G_PAD: the N side of P V (mma n8)
+        D=d, BLOCK_T=BLOCK_T, BS=ext.bs, IDX64=idx64,
+        **{f"K_{name}": c for name, c in zip(_CODEC_CONSTS, k_consts, strict=True)},
+        **{f"V_{name}": c for name, c in zip(_CODEC_CONSTS, v_consts, strict=True)},
+        HAS_MASK=has_mask, HAS_BODY=ext.t_body > 0, HAS_FP=ext.has_fp,
+        DOT_FP32=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and _interpreting()),
+        BODY_STAGES=body_stages or (2 if d <= 128 else 1),  # D=256, 2 stages: 116 KB of smem
+        FP_STAGES=fp_stages,
+        W=min(num_warps, BLOCK_T // 16),  # token slabs with a running softmax each (>= 16 tokens)
+        ASM=not _interpreting(),
+    )
+
+
+def _variant(query: torch.Tensor, fpk: torch.Tensor, kb: tuple, vb: tuple, consts: dict, num_warps: int):
+    """The registry's key of a split-kernel variant: the dtypes of what it reads, and its constexprs."""
+    luts = (kb[3].dtype, vb[3].dtype) if consts["K_LUT"] or consts["V_LUT"] else ()
+    extras = consts["K_CENTER"] or consts["K_OUT"] or consts["V_CENTER"] or consts["V_OUT"]
+    parts = tuple(t.dtype for t in kb[4:] + vb[4:]) if extras else ()
+    return (query.dtype, fpk.dtype, kb[0].dtype, kb[1].dtype, vb[0].dtype, vb[1].dtype, *luts, *parts,
+            num_warps, *sorted(consts.items()))
+
+
+def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, sink, body, recent,
+            scaling, key_mask, num_splits, num_warps, body_stages, fp_stages, registry, idx64=None):
+    """Check the arguments, launch the split kernel then the reduce: (B, 1, H_q, D) in query's dtype, or
+    None when the registry refuses the variant (it cannot be built here, or its self-check failed)."""
+    bsz, h_q, d = _check_query(query)
+    ext = _extent(query, fp_k, fp_v, key_pages, key_codec, value_codec, sink, body, recent)
+    registry = registry or default_registry()
+    kb, k_consts = _body_args(key_codec if ext.t_body else None, key_pages, ext.h_kv, d, ext.bs, query,
+                              registry)
+    vb, v_consts = _body_args(value_codec if ext.t_body else None, value_pages, ext.h_kv, d, ext.bs, query,
+                              registry)
+    g, bh = h_q // ext.h_kv, bsz * ext.h_kv
+    splits = _splits(bh, ext, num_splits, query.device)
+    mask, s_mb, s_mt, has_mask = _mask_arg(key_mask, bsz, ext.total, query)
     scale = (1.0 / math.sqrt(d)) if scaling is None else float(scaling)
-    dot_fp32 = query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and _interpreting())
-    m = torch.empty((bh, nsplit, g), dtype=torch.float32, device=query.device)
-    l_ = torch.empty_like(m)
-    acc = torch.empty((bh, nsplit, g, d), dtype=torch.float32, device=query.device)
+    m = torch.empty((bh, splits.nsplit, g), dtype=torch.float32, device=query.device)  # running max per split
+    l_ = torch.empty_like(m)  # running sum
+    acc = torch.empty((bh, splits.nsplit, g, d), dtype=torch.float32, device=query.device)
     out = torch.empty((bsz, 1, h_q, d), dtype=query.dtype, device=query.device)
 
     q3 = query[:, :, 0, :]  # (B, H_q, D)
@@ -864,52 +938,45 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
     # an absent region's table pointer is never read, but must be an int64 pointer like the others
     some_table = next(x.table for x in (sink, body, recent) if _length(x))
     st, rt, btab = (_table_args(x, bsz, some_table) for x in (sink, recent, body))
-    fpk, fpv = (fp_k, fp_v) if has_fp else (query, query)
+    fpk, fpv = (fp_k, fp_v) if ext.has_fp else (query, query)
     if idx64 is None:  # (the self-check's probe passes the checked call's, to compile the same variant)
         idx64 = max(t.numel() for t in (fpk, fpv, *kb, *vb)) >= 2**31
-    consts = dict(
-        H_KV=h_kv, G=g, G_PAD=g_pad, D=d, BLOCK_T=BLOCK_T, BS=bs, IDX64=idx64,
-        K_BITS=k_bits, K_SYM=k_sym, K_TE=k_te, K_CE=k_ce, K_SHARED=k_sh,
-        V_BITS=v_bits, V_SYM=v_sym, V_TE=v_te, V_CE=v_ce, V_SHARED=v_sh,
-        K_FMT=k_fmt, K_UNIT=k_unit, V_FMT=v_fmt, V_UNIT=v_unit, K_LUT=k_lut, V_LUT=v_lut,
-        K_CENTER=k_center, K_OUT=k_out, V_CENTER=v_center, V_OUT=v_out,
-        HAS_MASK=has_mask, HAS_BODY=t_body > 0, HAS_FP=has_fp, DOT_FP32=dot_fp32,
-        BODY_STAGES=body_stages or 0, FP_STAGES=fp_stages, W=0, ASM=not _interpreting(),
-    )
     num_warps = num_warps or (4 if d <= 128 else 8)  # D=256 on 4 warps spills (255 registers)
-    consts["W"] = min(num_warps, BLOCK_T // 16)  # token slabs with a running softmax each (>= 16 tokens)
-    consts["BODY_STAGES"] = body_stages or (2 if d <= 128 else 1)  # D=256, 2 stages: 116 KB of smem
-    variant = (query.dtype, *(fpk.dtype, kb[0].dtype, kb[1].dtype, vb[0].dtype, vb[1].dtype),
-               *((kb[3].dtype, vb[3].dtype) if k_lut or v_lut else ()),
-               *(tuple(t.dtype for t in kb[4:] + vb[4:]) if k_center or k_out or v_center or v_out else ()),
-               num_warps, *sorted(consts.items()))
+    consts = _constants(query, ext, g, k_consts, v_consts, has_mask, idx64, num_warps, body_stages, fp_stages)
     args = (
         q3, *q3.stride()[:2],
         fpk, fpv,
-        st[0], st[1], st[2], s_len,
-        rt[0], rt[1], rt[2], r_len, int(recent.offset) if r_len else 0,
-        btab[0], btab[1], btab[2], t_body, int(body.offset) if t_body else 0,
+        st[0], st[1], st[2], ext.s_len,
+        rt[0], rt[1], rt[2], ext.r_len, int(recent.offset) if ext.r_len else 0,
+        btab[0], btab[1], btab[2], ext.t_body, int(body.offset) if ext.t_body else 0,
         *kb, *vb,
         mask, s_mb, s_mt,
         m, l_, acc,
-        n_body, nsplit, body_chunk, fp_chunk, scale * _LOG2E,
+        splits.n_body, splits.nsplit, splits.body_chunk, splits.fp_chunk, scale * _LOG2E,
     )
-    registry = registry or default_registry()
-    trusted = getattr(registry, "trusted", None)  # (a stand-in registry, as a benchmark's recorder, has none)
-    if trusted is not None:
-        spec = _ProbeSpec(query.dtype, fpk.dtype, key_codec, value_codec, h_kv, g, d, bs, t_body > 0, has_fp,
-                          has_mask, num_warps, body_stages, fp_stages, idx64)
-        probe = lambda: _probe(spec, query.device, registry)  # noqa: E731
-        if not trusted("decode_attention", variant, query.device, probe):
-            return None
-    if not registry.launch(_paged_split_kernel, (nsplit, bh), args, dict(consts, num_warps=num_warps),
+    spec = _ProbeSpec(query.dtype, fpk.dtype, key_codec, value_codec, ext.h_kv, g, d, ext.bs, ext.t_body > 0,
+                      ext.has_fp, has_mask, num_warps, body_stages, fp_stages, idx64)
+    variant = _variant(query, fpk, kb, vb, consts, num_warps)
+    if not _trusted(registry, variant, spec, query.device):
+        return None
+    if not registry.launch(_paged_split_kernel, (splits.nsplit, bh), args, dict(consts, num_warps=num_warps),
                            variant):
         return None
     o3 = out[:, 0]  # (B, H_q, D)
-    if not registry.launch(_reduce_kernel, (bh, g), (m, l_, acc, o3, *o3.stride()[:2], h_kv, nsplit),
-                           dict(G=g, D=d, SPLIT_BLOCK=SPLIT_BLOCK), (query.dtype, g, d)):
+    reduce_args = (m, l_, acc, o3, *o3.stride()[:2], ext.h_kv, splits.nsplit)
+    if not registry.launch(_reduce_kernel, (bh, g), reduce_args, dict(G=g, D=d, SPLIT_BLOCK=SPLIT_BLOCK),
+                           (query.dtype, g, d)):
         return None
     return out
+
+
+def _trusted(registry, variant: tuple, spec: _ProbeSpec, device: torch.device) -> bool:
+    """Whether the registry lets this variant serve (its first-use self-check, `_probe`, agreed with the
+    reference twin or is not wanted here). A stand-in registry (a benchmark's recorder) has no `trusted`."""
+    trusted = getattr(registry, "trusted", None)
+    if trusted is None:
+        return True
+    return trusted("decode_attention", variant, device, lambda: _probe(spec, device, registry))
 
 
 # ----------------------------------------------------------------------------------------------- self-check

@@ -19,7 +19,7 @@ tokens sit in position order as three regions of pages, kept by the store (`kvqu
 Tokens move from the window to the body in multiples of `scheme.tokens_per_flush` once more than `window`
 tokens wait (`_BodyWriter`); nothing is ever requantized, and nothing decoded is written back. Appending
 costs the same at any length: only the current page of each region is written. Every layer stores in a
-`kvquant.store.KVStore`: a shared one (prefix caching, a byte budget) or, without `store=`, a private store
+`kvquant.paging.KVStore`: a shared one (prefix caching, a byte budget) or, without `store=`, a private store
 with one holder, so there is one code path.
 
 `update` returns a `LayerView` (`kvquant.view`): the pool tensors and block tables as stored, which
@@ -41,9 +41,9 @@ from . import quirks
 from .backend import ATTN_IMPLEMENTATION, KernelHandle, LayerPaths, check_backend, layer_paths
 from .codecs.base import Codec, Field
 from .memory import KVShape
+from .paging import BlockTable, KVStore, LayerTables, PagePool, Region, gather_region
 from .plan import LayerPlan
 from .scheme import Scheme, parse_scheme
-from .store import BlockTable, KVStore, LayerTables, PagePool, Region, gather_region
 from .view import LayerView, _Stored
 
 __all__ = [
@@ -235,7 +235,7 @@ class _Inspect:
         return self.tables.fp_pool.reserved_bytes + self.tables.body_pool.reserved_bytes
 
     def check(self) -> None:
-        """Verify the pools' reference counts and free lists (`kvquant.store.StoreError` if broken)."""
+        """Verify the pools' reference counts and free lists (`kvquant.paging.StoreError` if broken)."""
         if self.is_initialized:
             self.tables.fp_pool.check()
             self.tables.body_pool.check()
@@ -275,8 +275,8 @@ class QuantizedLayer(_BeamOps, _Inspect, CacheLayerMixin):
             None.
         capacity: tokens per sequence to preallocate codec pages for; FP pages are sized by what the sink and
             window can hold. Pools grow in bounded steps (1/32) beyond that, never doubling.
-        store, layer_idx: take this layer's pools from a shared `kvquant.store.KVStore` (several caches then
-            share pages: prefixes, `kvquant.prefix`); without one, a private store of its own.
+        store, layer_idx: take this layer's pools from a shared `kvquant.paging.KVStore` (several caches then
+            share pages: prefixes, `kvquant.serving.prefix`); without one, a private store of its own.
     """
 
     is_compileable = False
@@ -649,10 +649,10 @@ class QuantizedCache(Cache):
         block_size: tokens per page (16, as vLLM); raised to a multiple of a channel-wise token group.
         capacity: tokens per sequence to preallocate codec pages for (FP pages: only what the scheme's sink
             and window can hold); the pools grow in bounded steps (1/32 of the pages in use) beyond it.
-        store: a shared `kvquant.store.KVStore` (same scheme and model) whose pools every layer uses, so that
+        store: a shared `kvquant.paging.KVStore` (same scheme and model) whose pools every layer uses, so that
             several caches (one per request) share pages: prefix caching and eviction under a byte budget
-            (`kvquant.prefix`, `kvquant.evict`, `kvquant.serving`). Default: a private store with this cache
-            as its one holder (`KVStore.private`), on the same code path.
+            (`kvquant.serving.prefix`, `kvquant.paging.evict`, `kvquant.serving`). Default: a private store
+            with this cache as its one holder (`KVStore.private`), on the same code path.
 
     Use it as `model(ids, cache=cache)` or `model.generate(ids, cache=cache)`, on a model whose
     attention implementation is `kvquant.ATTN_IMPLEMENTATION` (`kvquant.load_model` sets it).

@@ -116,7 +116,7 @@ class Diagnosis:
 
     @property
     def recommended(self) -> str:
-        return str(parse_scheme(f"k={self.recommended_key},v={self.recommended_value}"))
+        return str(Scheme(parse_spec(self.recommended_key), parse_spec(self.recommended_value)))
 
     @property
     def max_key_offset_ratio(self) -> tuple[float, int]:
@@ -274,10 +274,16 @@ def format_report(diag: Diagnosis) -> str:
 # ------------------------------------------------------------------------------------- the one-time warning
 
 
-def keys_at_risk(scheme: Scheme | str) -> list[QuantSpec]:
+def keys_at_risk(scheme: Scheme) -> list[QuantSpec]:
     """Key specs of the scheme (every layer's) that quantize keys per token, head or channel group with no
-    offset removed: integer or codebook specs at token / head / gN granularity without -center."""
-    keys = [k for k, _ in parse_scheme(scheme).layer_specs()]
+    offset removed: integer or codebook specs at token / head / gN granularity without -center. Takes a
+    parsed Scheme (`OffsetWarner` parses the caller's text once)."""
+    if not isinstance(scheme, Scheme):
+        raise TypeError(
+            f"keys_at_risk takes a parsed Scheme (kvquant.parse_scheme), not {type(scheme).__name__} "
+            f"{scheme!r}"
+        )
+    keys = [k for k, _ in scheme.layer_specs()]
     return [
         s
         for s in dict.fromkeys(keys)

@@ -187,9 +187,9 @@ def shared_prefix_bytes(
     block_size: int = 16,
 ) -> int:
     """Bytes of one request's pages that a common prefix of `shared_prefix` tokens lets requests share once
-    they reach `context` tokens (`kvquant.prefix`): a request resumes at R, the last page boundary in the
-    prefix, and keeps sharing the sink pages and the body pages that were full at R (quantized pages are
-    final; the page holding the quantized/window boundary is copied on its first write, the FP window is
+    they reach `context` tokens (`kvquant.serving.prefix`): a request resumes at R, the last page boundary
+    in the prefix, and keeps sharing the sink pages and the body pages that were full at R (quantized pages
+    are final; the page holding the quantized/window boundary is copied on its first write, the FP window is
     private). Sliding-window layers share nothing."""
     shape, scheme = KVShape.from_config(config), parse_scheme(scheme)
     return _shared_layout(shape, scheme, context, shared_prefix, dtype, block_size)[0]

@@ -1171,24 +1171,50 @@ def parse_scheme(text: str | Scheme) -> Scheme:
         )
     if not text.strip():
         raise _scheme_error(text, "it is empty")
-    text = _ENGINE_PAIR.sub(r"k=llama.cpp:\1,v=llama.cpp:\2", text)  # llama.cpp:k=q8_0,v=q4_0 (as -ctk, -ctv)
-    text = _TQ_ITEM.sub(lambda m: f"k=vllm:{m[1].lower()}.k,v=vllm:{m[1].lower()}.v", text)
-    text = _TQ_RANGE.sub(lambda m: f"vllm:{m[1].lower()}.k/vllm:{m[1].lower()}.v", text)
+    text = _expand_engine_items(text)
     raw = text.strip().lower().replace(" ", "")
     if raw in _PRESET_DEFS:
         return dataclasses.replace(parse_scheme(_PRESET_DEFS[raw][0]), name=raw)
-    both = key = value = layers = calib = budget = None
-    ints: dict[str, int] = {}
+    items = _parse_items(text, raw)
+    if items.budget is not None:  # the allocation stored in the calibration file (kvquant.calibration)
+        return _budget_scheme(text, items)
+    return _build_scheme(text, items)
+
+
+def _expand_engine_items(text: str) -> str:
+    """Rewrite the engine shorthands into the grammar's own items: `llama.cpp:k=q8_0,v=q4_0` (as -ctk, -ctv)
+    -> k=llama.cpp:q8_0,v=llama.cpp:q4_0; a vLLM TurboQuant preset as a whole item -> its k= and v= halves,
+    as a layers= range spec -> its KSPEC/VSPEC halves."""
+    text = _ENGINE_PAIR.sub(r"k=llama.cpp:\1,v=llama.cpp:\2", text)
+    text = _TQ_ITEM.sub(lambda m: f"k=vllm:{m[1].lower()}.k,v=vllm:{m[1].lower()}.v", text)
+    return _TQ_RANGE.sub(lambda m: f"vllm:{m[1].lower()}.k/vllm:{m[1].lower()}.v", text)
+
+
+@dataclass
+class _Items:
+    """The items of one scheme string, each parsed on its own (None: not given); `_build_scheme` checks how
+    they combine."""
+
+    both: QuantSpec | None = None  # a bare SPEC, for K and V
+    key: QuantSpec | None = None
+    value: QuantSpec | None = None
+    layers: tuple[LayerSpecs, ...] | None = None
+    calib: str | None = None
+    budget: float | None = None
+    ints: dict[str, int] = field(default_factory=dict)  # sink=, window=
+
+
+def _parse_items(text: str, raw: str) -> _Items:
+    """Parse each comma-separated item of `text` (`raw`: lower case, no spaces) into `_Items`, refusing an
+    empty item and an item given twice; an item's own error is re-raised as a scheme error."""
+    items = _Items()
     given: dict[str, str] = {}  # item name (k for key=) -> the item, to refuse a second one
     # items split on the original text too: a calib= path keeps its case and its inner spaces
     originals = text.strip().split(",")
     for n, (item, original) in enumerate(zip(raw.split(","), originals, strict=True)):
-        name, eq, val = item.partition("=")
+        name, eq, _ = item.partition("=")
         if not item:
-            where = "a trailing comma" if n == len(originals) - 1 else (
-                "a leading comma" if n == 0 else "two commas in a row"
-            )
-            raise _scheme_error(text, f"item {n + 1} is empty ({where}); remove the extra comma")
+            raise _empty_item_error(text, n, len(originals))
         canon = {"key": "k", "value": "v"}.get(name, name) if eq else "spec"
         if canon in given and canon != "spec":
             raise _scheme_error(
@@ -1196,60 +1222,99 @@ def parse_scheme(text: str | Scheme) -> Scheme:
             )
         given[canon] = item
         try:
-            if not eq:
-                if both is not None:
-                    raise _scheme_error(
-                        text, f"two specs {both} and {item!r}; use k=...,v=... for different K and V"
-                    )
-                both = parse_spec(item) if item not in _PRESET_DEFS else None
-                if both is None:
-                    raise _scheme_error(text, f"preset {item!r} cannot be combined with other items")
-            elif name in ("k", "key"):
-                key = parse_spec(val)
-            elif name in ("v", "value"):
-                value = parse_spec(val)
-            elif name in ("sink", "window"):
-                if not re.fullmatch(r"\d{1,10}", val):  # \d: what int() reads (str.isdigit also takes '²')
-                    why = "too large" if re.fullmatch(r"\d+", val) else "not a non-negative integer"
-                    raise _scheme_error(text, f"{name}={val!r} is {why} (tokens, e.g. {name}=128)")
-                ints[name] = int(val)
-            elif name == "layers":
-                layers = _parse_layers(val)
-            elif name == "budget":
-                if not re.fullmatch(r"\d{1,2}(\.\d{1,6})?", val) or not 0 < float(val) <= 16:
-                    why = f"budget={val!r} must be average bits in (0, 16], e.g. budget=3.0"
-                    raise _scheme_error(text, why)
-                budget = float(val)
-            elif name == "calib":
-                calib = original.partition("=")[2].strip()
-                if not calib:
-                    raise _scheme_error(
-                        text, "calib= needs a file path (written by experiments/calibrate.py)"
-                    )
-            else:
-                near = difflib.get_close_matches(
-                    name, ["k", "v", "sink", "window", "layers", "calib", "budget"], n=1
-                )
-                hint = f"; did you mean {near[0]}=?" if near else ""
-                raise _scheme_error(
-                    text,
-                    f"unknown item {name!r} (valid: k=, v=, sink=, window=, layers=, calib=, budget=){hint}",
-                )
+            _parse_item(text, items, item, original)
         except SchemeError as e:
             if str(e).startswith("bad scheme"):
                 raise
             if getattr(e, "unknown_name", False) and did_you_mean(text):
                 raise _scheme_error(text, f"{item!r} is neither a spec nor a preset") from None
             raise _scheme_error(text, str(e)) from None
-    if budget is not None:  # the allocation stored in the calibration file (kvquant.calibration)
-        if both is not None or key is not None or value is not None or layers is not None:
-            raise _scheme_error(text, "budget= stands for the specs: give no spec, k=, v= or layers= with it")
-        if calib is None:
+    return items
+
+
+def _empty_item_error(text: str, n: int, count: int) -> SchemeError:
+    """Item `n` (0-based) of `count` is empty: name the comma that made it."""
+    where = "a trailing comma" if n == count - 1 else ("a leading comma" if n == 0 else "two commas in a row")
+    return _scheme_error(text, f"item {n + 1} is empty ({where}); remove the extra comma")
+
+
+def _parse_item(text: str, items: _Items, item: str, original: str) -> None:
+    """Parse one item (`item` lower case without spaces, `original` as written) into `items`."""
+    name, eq, val = item.partition("=")
+    if not eq:
+        if items.both is not None:
             raise _scheme_error(
-                text, "budget= is resolved through a calibration file: add calib=FILE (written by "
-                "experiments/allocate.py --budget-bits B --calib FILE --write-calib)"
+                text, f"two specs {items.both} and {item!r}; use k=...,v=... for different K and V"
             )
-        return _resolve_budget(budget, calib, ints.get("sink"), ints.get("window"))
+        items.both = parse_spec(item) if item not in _PRESET_DEFS else None
+        if items.both is None:
+            raise _scheme_error(text, f"preset {item!r} cannot be combined with other items")
+    elif name in ("k", "key"):
+        items.key = parse_spec(val)
+    elif name in ("v", "value"):
+        items.value = parse_spec(val)
+    elif name in ("sink", "window"):
+        items.ints[name] = _parse_tokens(text, name, val)
+    elif name == "layers":
+        items.layers = _parse_layers(val)
+    elif name == "budget":
+        items.budget = _parse_budget(text, val)
+    elif name == "calib":
+        items.calib = _parse_calib(text, original)
+    else:
+        raise _unknown_item_error(text, name)
+
+
+def _parse_tokens(text: str, name: str, val: str) -> int:
+    """The token count of `sink=N` or `window=N`: a non-negative integer of at most 10 digits."""
+    if not re.fullmatch(r"\d{1,10}", val):  # \d: what int() reads (str.isdigit also takes '²')
+        why = "too large" if re.fullmatch(r"\d+", val) else "not a non-negative integer"
+        raise _scheme_error(text, f"{name}={val!r} is {why} (tokens, e.g. {name}=128)")
+    return int(val)
+
+
+def _parse_budget(text: str, val: str) -> float:
+    """The average bits of `budget=B`, in (0, 16]."""
+    if not re.fullmatch(r"\d{1,2}(\.\d{1,6})?", val) or not 0 < float(val) <= 16:
+        why = f"budget={val!r} must be average bits in (0, 16], e.g. budget=3.0"
+        raise _scheme_error(text, why)
+    return float(val)
+
+
+def _parse_calib(text: str, original: str) -> str:
+    """The path of `calib=FILE`, taken from the item as written (its case and inner spaces kept)."""
+    calib = original.partition("=")[2].strip()
+    if not calib:
+        raise _scheme_error(text, "calib= needs a file path (written by experiments/calibrate.py)")
+    return calib
+
+
+def _unknown_item_error(text: str, name: str) -> SchemeError:
+    """`name=` is no item of the grammar: list the valid ones and the closest."""
+    near = difflib.get_close_matches(name, ["k", "v", "sink", "window", "layers", "calib", "budget"], n=1)
+    hint = f"; did you mean {near[0]}=?" if near else ""
+    return _scheme_error(
+        text,
+        f"unknown item {name!r} (valid: k=, v=, sink=, window=, layers=, calib=, budget=){hint}",
+    )
+
+
+def _budget_scheme(text: str, items: _Items) -> Scheme:
+    """`budget=B,calib=FILE`: no spec beside it, and the allocation read from the calibration file."""
+    if items.both is not None or items.key is not None or items.value is not None or items.layers is not None:
+        raise _scheme_error(text, "budget= stands for the specs: give no spec, k=, v= or layers= with it")
+    if items.calib is None:
+        raise _scheme_error(
+            text, "budget= is resolved through a calibration file: add calib=FILE (written by "
+            "experiments/allocate.py --budget-bits B --calib FILE --write-calib)"
+        )
+    return _resolve_budget(items.budget, items.calib, items.ints.get("sink"), items.ints.get("window"))
+
+
+def _build_scheme(text: str, items: _Items) -> Scheme:
+    """The Scheme of the parsed items: exactly one of a spec, k= with v=, or layers=, and a calib= file
+    when a spec is fitted offline."""
+    key, value, both, layers = items.key, items.value, items.both, items.layers
     if layers is not None:
         if both is not None or key is not None or value is not None:
             raise _scheme_error(text, "give either a spec (or k= and v=) or layers=, not both")
@@ -1262,7 +1327,8 @@ def parse_scheme(text: str | Scheme) -> Scheme:
         key = value = both
     try:
         scheme = Scheme(
-            key, value, ints.get("sink", 0), ints.get("window", 0), layers=layers or (), calib=calib
+            key, value, items.ints.get("sink", 0), items.ints.get("window", 0), layers=layers or (),
+            calib=items.calib,
         )
     except SchemeError as e:
         raise _scheme_error(text, str(e)) from None

@@ -8,9 +8,9 @@ from dataclasses import dataclass
 import torch
 
 from .codecs.base import Codec, Field
+from .paging import Region, gather_region
 from .plan import LayerPlan
 from .scheme import Scheme
-from .store import Region, gather_region
 
 __all__ = ["LayerView"]
 

@@ -10,9 +10,9 @@ from tiny_models import make_tiny_model
 from transformers import DynamicCache
 
 from kvquant import memory
-from kvquant.evict import LRU, RadixLRU, SlidingWindow, make_policy
-from kvquant.prefix import unit_tokens
-from kvquant.store import BudgetError
+from kvquant.paging import BudgetError
+from kvquant.paging.evict import LRU, RadixLRU, SlidingWindow, make_policy
+from kvquant.serving.prefix import unit_tokens
 
 SCHEME = "int4-g32"
 N = 48  # tokens per request: three pages
@@ -210,7 +210,7 @@ def test_the_store_evicts_as_it_allocates(model):
     (nothing is injected from serving); the running cache's pages are never the ones freed."""
     from kvquant import QuantizedCache
     from kvquant.paging import KVStore
-    from kvquant.prefix import register
+    from kvquant.serving.prefix import register
 
     budget = int(2.5 * _request_bytes(model))
     store = KVStore(model.config, SCHEME, budget_bytes=budget, prefix_cache="radix", policy="lru")

@@ -78,7 +78,7 @@ class Workload:
         units = self._prompt()
         matched = self.index.match(units)
         held: list = []
-        for u in matched:  # adopt the cached prefix (as `kvquant.prefix.attach`)
+        for u in matched:  # adopt the cached prefix (as `kvquant.serving.prefix.attach`)
             for pool, page in _versions(u.pages, self.store):
                 pool.incref(page)
                 held.append((pool, page))

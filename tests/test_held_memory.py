@@ -2,7 +2,7 @@
 
 Bound tested (per layer): FP pools hold exactly the plan's `max_fp_pages` per sequence (none for a scheme
 with no sink, window or token groups); body pools hold the pages in use plus at most ceil(in use / 16) + 1
-(`kvquant.store.GROWTH_DIVISOR`). So reserved_bytes() <= nbytes() * 33/32 + one body page per layer + the
+(`kvquant.paging.GROWTH_DIVISOR`). So reserved_bytes() <= nbytes() * 33/32 + one body page per layer + the
 FP pages the window may hold beyond those in use at the moment.
 """
 
@@ -14,7 +14,7 @@ from tiny_models import make_tiny_config
 
 import kvquant
 from kvquant.codecs.base import Field
-from kvquant.store import GROWTH_DIVISOR, PagePool
+from kvquant.paging import GROWTH_DIVISOR, PagePool
 
 SCHEMES = ["int4-g64", "int8", "kivi-2", "k=int4-channel-g64-rot,v=int4-g64-rot,sink=4,window=128", "fp16"]
 

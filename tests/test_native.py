@@ -14,7 +14,7 @@ import torch
 
 from kvquant import native
 from kvquant.codecs.base import Codec, PageRead, codec_for
-from kvquant.store import Region
+from kvquant.paging import Region
 
 # fp32, |scores| up to ~40 here: the native sum runs channel by channel, the twin by matmul, and both
 # reassociate dequantize's A c + Z (cancellation for symmetric codes): 2e-4 absolute plus 1e-5 relative.

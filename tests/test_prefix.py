@@ -10,9 +10,9 @@ from serving_checks import Engines, ids, same_attention_inputs
 from tiny_models import make_tiny_model
 
 import kvquant
-from kvquant.prefix import attach, register, unit_tokens
+from kvquant.paging import KVStore
 from kvquant.serving import Session
-from kvquant.store import KVStore
+from kvquant.serving.prefix import attach, register, unit_tokens
 
 WINDOWED = "k=int4-channel-g8,v=int4-g16,sink=4,window=8"  # sink, FP window, channel-wise keys: the hard case
 SCHEMES = ["fp16", "int4-g32", WINDOWED]
@@ -32,12 +32,16 @@ def engines(model64):
 
 @torch.no_grad()
 def _reference(model, prompt: list[int], cut: int, steps: list[int], scheme: str):
-    """A private cache fed prompt[:cut], prompt[cut:], then `steps` one at a time: (cache, logits list)."""
+    """A private cache fed prompt[:cut], prompt[cut:], then `steps` one at a time: (cache, logits list).
+
+    Its last-position logits come from `logits_to_keep=1`, as the engine's prefill computes them: a BLAS may
+    round a row differently by the matrix's row count (Intel MKL on AVX-512 does for one row against 19, so
+    `logits[0, -1]` of the full (19, V) product differs in the last bits; AMD's AVX2 path does not)."""
     cache = kvquant.QuantizedCache(scheme, model.config)
     out = []
     if cut:
         model(torch.tensor([prompt[:cut]]), cache=cache)
-    out.append(model(torch.tensor([prompt[cut:]]), cache=cache).logits[0, -1])
+    out.append(model(torch.tensor([prompt[cut:]]), cache=cache, logits_to_keep=1).logits[0, -1])
     for t in steps:
         out.append(model(torch.tensor([[t]]), cache=cache).logits[0, -1])
     return cache, out

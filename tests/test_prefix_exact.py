@@ -17,8 +17,8 @@ from serving_checks import Engines, ids, same_attention_inputs
 from tiny_models import make_tiny_model
 
 import kvquant
-from kvquant.prefix import register
 from kvquant.serving import Engine
+from kvquant.serving.prefix import register
 
 SPECS = ["int4-g32", "int8", "int4-channel-g16", "k=int2-channel-g32,v=int2-g32"]  # the last: kivi-2 layout
 

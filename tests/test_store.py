@@ -9,7 +9,7 @@ from tiny_models import make_tiny_model
 
 import kvquant
 from kvquant.codecs.base import Field
-from kvquant.store import BlockTable, PagePool, StoreError
+from kvquant.paging import BlockTable, PagePool, StoreError
 
 FP = Field(heads=2, tokens=1, cols=8, dtype=torch.float32)
 STAT = Field(heads=2, tokens=4, cols=8, dtype=torch.float32)  # one row per 4 tokens (channel-wise stats)

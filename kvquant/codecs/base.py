@@ -20,7 +20,7 @@ A codec is bound to a spec and a layer's shape (H_kv heads, head_dim D, K/V dtyp
 
 `BlockExtent` says which elements share one scale (the spec's grain says it: `block_extent`); the
 quantizer's lowering, dequantize's broadcast, the bytes formula, the page layout and the kernels' launch
-arguments all read it, so nothing else switches on granularity. The page store (`kvquant.store`) keeps each
+arguments all read it, so nothing else switches on granularity. The page store (`kvquant.paging`) keeps each
 field in pages of `block_size` tokens ((P, heads_f, block_size // tokens_f, cols_f)) and never looks inside
 a field.
 
@@ -191,7 +191,7 @@ def gather_region(
     pages: Mapping[str, torch.Tensor], fields: Mapping[str, Field], region
 ) -> dict[str, torch.Tensor]:
     """A region's fields {name: (B, heads_f, length // tokens_f, cols_f)} from the pool tensors (P, heads_f,
-    rows_per_page, cols): a copy of just its pages. `region` is a `kvquant.store.Region` (table (B, n_pages),
+    rows_per_page, cols): a copy of just its pages. `region` is a `kvquant.paging.Region` (table (B, n_pages),
     offset, length, start)."""
     out = {}
     for name, pool in pages.items():
@@ -304,7 +304,7 @@ class Codec(ABC):
     def decode_pages(
         self, pages: Mapping[str, torch.Tensor], region, dtype: torch.dtype, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The tokens of `region` (a `kvquant.store.Region`) decoded from the pool tensors {name: (P,
+        """The tokens of `region` (a `kvquant.paging.Region`) decoded from the pool tensors {name: (P,
         heads_f, rows_per_page, cols)}: (B, H, region.length, D) in dtype, what `decode_at` gives for the
         gathered fields. `out`, a flat fp32 scratch tensor, may serve as the working buffer (a codec that
         decodes in place uses it; the result may then be a view of it, valid until it is reused)."""

@@ -9,7 +9,7 @@
     budget.py   PageBudget: a store's byte budget, evicting in the policy's order as its pools allocate
     store.py    KVStore: every layer's pools, with the index, policy and budget beside them
 
-`kvquant.store`, `kvquant.evict` and `kvquant.prefix` re-export the names they held before this package.
+Serving on top of it (engine, prefix caching, sessions) is `kvquant.serving`.
 """
 
 from .budget import BudgetError, PageBudget

@@ -4,7 +4,7 @@ Positions are cut into units: sink units (positions [0, sink), `block_size` at a
 holds positions sink + j*bs .. sink + (j+1)*bs - 1: logical page j of the body and of the FP window). A unit
 holds up to two versions of its tokens per layer: `body` (the quantized page, final once full) and `fp` (a
 sink page, or the FP copy of a window page, whole from `fp_from` on). How units are filled from a cache and
-adopted by one is `kvquant.prefix` (register / attach).
+adopted by one is `kvquant.serving.prefix` (register / attach).
 
 Two indexes behind one interface (`PrefixIndex`): `HashChainIndex` (vLLM: a unit's key hashes its parent's
 key, its token ids, the scheme and block size) and `RadixIndex` (SGLang: a radix tree whose edges are runs

@@ -10,7 +10,8 @@ Positions below `dropped` after the sink are released (a sliding layer, or an ev
 `sliding:W`).
 
 This is the store's side of a layer: the cache's layers (`kvquant.cache`) write and read through these
-methods, and prefix caching (`kvquant.prefix`) and eviction policies ask them for page ids and releases.
+methods, and prefix caching (`kvquant.serving.prefix`) and eviction policies ask them for page ids and
+releases.
 No module outside the store reads the block tables themselves.
 """
 

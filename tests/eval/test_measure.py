@@ -144,7 +144,7 @@ def test_fake_mode_follows_the_cache_sink_rule_on_sliding_layers():
 
     model = make_tiny_gemma(sliding_window=64)
     ids = torch.randint(1, 500, (1, 48), generator=torch.Generator().manual_seed(0))
-    scheme = "int2-g32,sink=4"
+    scheme = kvquant.parse_scheme("int2-g32,sink=4")
     fake = FakeQuantCache(scheme, model.config)
     cache = kvquant.QuantizedCache(scheme, model.config, backend="torch")
     with torch.no_grad():

@@ -62,6 +62,7 @@ def test_generate_with_kernels_matches_the_reference(model, scheme, monkeypatch,
     # unrotated query in the rotated frame moves them by ~5e-2, the kernel path agrees to ~1e-6)
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=0, atol=1e-4)
     assert calls["served"] == 5 * 2  # every decode step (6 new tokens: 5 after the prefill) of both layers
+    assert calls["attention"] == calls["served"]  # the prefill never reaches the dispatch (backend: no)
     if kvquant.parse_scheme(scheme).key.is_quantized:
         assert calls["append"] > 0
     assert not [r for r in caplog.records if "no Triton kernel reads" in r.getMessage()]  # no fallback

@@ -1,5 +1,6 @@
 """The entry points the cache calls, against stand-in layer views (kvquant.kernels.testing.PagedLayer has
-exactly the attributes kvquant.cache.LayerView exposes): masks, fallbacks, the build-failure memo."""
+exactly the attributes kvquant.cache.LayerView exposes): masks, what it refuses (the backend's to decide),
+the build-failure memo."""
 
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ from kvquant.kernels import dispatch
 from kvquant.kernels.decode_attention import decode_attention_ref
 from kvquant.kernels.registry import KernelRegistry
 from kvquant.kernels.testing import make_paged_layer
+
+from kvquant.backend import KernelHandle, call_attends, layer_paths
 
 
 def decode_mask(kind: str, t: int, device) -> torch.Tensor | None:
@@ -40,17 +43,32 @@ def test_fused_attention_matches_the_reference(kind, device):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
-def test_fused_attention_declines_what_it_does_not_serve(device):
+def test_what_the_kernel_does_not_serve_the_backend_sends_to_the_reference_and_dispatch_refuses(device):
+    """The calls the dispatch used to decline: `kvquant.backend` answers "reference path" for each (per call:
+    `call_attends`; per layer: `layer_paths`), and the dispatch, called anyway, raises naming the problem
+    and the backend instead of choosing a path itself."""
     layer = make_paged_layer(body=16, dtype=torch.float32, device=device)
     t = layer.shape[2]
     q = torch.randn(2, 6, 1, 64, device=device)
-    assert dispatch.fused_attention(torch.randn(2, 6, 3, 64, device=device), layer, None, None) is None
-    assert dispatch.fused_attention(q, layer, torch.zeros(2, 1, 1, t, device=device), None) is None
-    assert dispatch.fused_attention(q, layer, torch.ones(2, 1, 1, t - 1, dtype=torch.bool, device=device),
-                                    None) is None
-    assert dispatch.fused_attention(q, layer, torch.ones(2, 1, 2, t, dtype=torch.bool, device=device),
-                                    None) is None
-    assert dispatch.fused_attention(q[..., :48], layer, None, None) is None
+    calls = {  # what: (query, mask), the problem named
+        "prefill chunk": ((torch.randn(2, 6, 3, 64, device=device), None), "one token per sequence"),
+        "fp64 query": ((q.double(), None), "fp16, bf16 or fp32"),
+        "float mask": ((q, torch.zeros(2, 1, 1, t, device=device)), "must be bool"),
+        "short mask": ((q, torch.ones(2, 1, 1, t - 1, dtype=torch.bool, device=device)), "does not cover"),
+        "mask rows": ((q, torch.ones(2, 1, 2, t, dtype=torch.bool, device=device)), "for one query token"),
+        "mask batch": ((q, torch.ones(3, 1, 1, t, dtype=torch.bool, device=device)), "does not cover"),
+    }
+    for what, ((query, mask), problem) in calls.items():
+        assert not call_attends(query, mask, t), what
+        with pytest.raises(ValueError, match=f"{problem}.*kvquant.backend"):
+            dispatch.fused_attention(query, layer, mask, None)
+    assert call_attends(q, None, t) and call_attends(q, torch.ones(1, 1, 1, t + 3, dtype=torch.bool), t)
+
+    layer48 = make_paged_layer(body=16, d=48, k="int4-g16", v="int8", dtype=torch.float32, device=device)
+    paths48 = layer_paths("triton", device, layer48.key_codec, layer48.value_codec, 48, KernelHandle())
+    assert paths48.encode and not paths48.attend
+    with pytest.raises(ValueError, match="head_dim 48 is not a power of two.*layer_paths"):
+        dispatch.fused_attention(q[..., :48], layer48, None, None)
 
     class NoKernel(type(layer.key_codec)):
         def kernel_layout(self):
@@ -58,7 +76,11 @@ def test_fused_attention_declines_what_it_does_not_serve(device):
 
     unserved = make_paged_layer(body=16, dtype=torch.float32, device=device)
     unserved.key_codec.__class__ = NoKernel
-    assert dispatch.fused_attention(q, unserved, None, None) is None
+    paths = layer_paths("triton", device, unserved.key_codec, unserved.value_codec, 64, KernelHandle())
+    assert not paths.attend
+    with pytest.raises(ValueError, match="cannot read the key codec.*layer_paths"):
+        dispatch.fused_attention(q, unserved, None, None)
+    assert dispatch.fused_attention(q, layer, None, None) is not None  # the same call on a served layer
 
 
 def test_a_variant_that_cannot_be_built_is_refused_once_per_registry(monkeypatch, caplog):

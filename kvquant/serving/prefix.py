@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .paging.index import (
+from ..paging.index import (
     INDEXES,
     HashChainIndex,
     PageUnit,
@@ -52,9 +52,9 @@ from .paging.index import (
 )
 
 if TYPE_CHECKING:
-    from .cache import QuantizedCache, QuantizedLayer
-    from .paging.store import KVStore
-    from .plan import LayerPlan
+    from ..cache import QuantizedCache, QuantizedLayer
+    from ..paging.store import KVStore
+    from ..plan import LayerPlan
 
 __all__ = [
     "INDEXES",

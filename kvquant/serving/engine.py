@@ -1,5 +1,5 @@
 """Serving on a shared page store: an `Engine` (model + `KVStore` + prefix index + eviction policy) that
-runs requests, and a multi-turn `Session` on it.
+runs requests; `kvquant.serving.session.Session` holds a multi-turn conversation on it.
 
     engine = Engine(model, "int4-g64", prefix_cache="radix", policy="lru", budget_bytes=256 << 20)
     chat = Session(engine)
@@ -7,8 +7,9 @@ runs requests, and a multi-turn `Session` on it.
     reply2 = chat.send(tokenizer(follow_up)["input_ids"])      # every page of turn 1 is reused
     chat.close()                                                # its pages stay cached for other requests
 
-A request's prefill looks its prompt up in the prefix index (`kvquant.prefix.attach`), computes the rest,
-and registers its complete units (after every prefill chunk, and when it ends) so later requests reuse them.
+A request's prefill looks its prompt up in the prefix index (`kvquant.serving.prefix.attach`), computes
+the rest, and registers its complete units (after every prefill chunk, and when it ends) so later requests
+reuse them.
 The engine records what it ran through each cache (token ids, where each forward ended): ids given to
 `close` or `register` must be the tokens the cache holds, and the forward ends tell the index which FP
 window copies are whole.
@@ -29,12 +30,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import QuantizedCache
-from .evict import EvictionPolicy
-from .prefix import Hit, PrefixIndex, attach, register
-from .store import KVStore
+from ..cache import QuantizedCache
+from ..paging import EvictionPolicy, KVStore, PrefixIndex
+from .prefix import Hit, attach, register
 
-__all__ = ["Engine", "Prefill", "Session", "cache_bytes"]
+__all__ = ["Engine", "Prefill", "cache_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ class Prefill:
 class _Fed:
     """What an engine ran through one cache: the token ids it holds and where each forward ended (an adopted
     prefix counts as one forward). `covers` turns false when the cache moved outside the engine's forwards
-    (a model call of its own, `kvquant.prefix.attach`), which the engine then cannot vouch for."""
+    (a model call of its own, `kvquant.serving.prefix.attach`), which the engine then cannot vouch for."""
 
     ids: list[int] = field(default_factory=list)
     ends: list[int] = field(default_factory=list)
@@ -175,8 +175,8 @@ class Engine:
             fix = "close it without ids (nothing is registered)" if what == "close" else "open a new request"
             raise ValueError(
                 f"{what}: this cache holds {n} tokens, not all run by this engine (a forward outside "
-                "engine.prefill / engine.step, or kvquant.prefix.attach), so its ids cannot be checked; run "
-                f"every forward through the engine, or {fix}"
+                "engine.prefill / engine.step, or kvquant.serving.prefix.attach), so its ids cannot be "
+                f"checked; run every forward through the engine, or {fix}"
             )
         if len(ids) < n:
             raise ValueError(
@@ -296,36 +296,3 @@ class Engine:
             fed.ends.append(len(fed.ids))
         self.policy.on_step(cache)
         return out.logits[0, -1]
-
-
-class Session:
-    """A multi-turn conversation: one cache across turns, so each turn computes only its new tokens.
-
-    `send` appends a user message (token ids), runs it, and decodes a greedy reply; the reply's last token
-    is fed at the start of the next turn. `ids` is the whole conversation. The transformers way works too:
-    pass the same `QuantizedCache` to `model.generate` again with the whole conversation's ids."""
-
-    def __init__(self, engine: Engine, name: str | None = None):
-        self.engine = engine
-        self.cache = engine.open(name)
-        self.ids: list[int] = []
-        self.turns: list[Prefill] = []
-
-    def send(
-        self, message: Sequence[int], max_new_tokens: int = 32, eos_token_id: int | None = None
-    ) -> list[int]:
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be at least 1, got {max_new_tokens}")
-        self.ids += [int(t) for t in message]
-        pre = self.engine.prefill(self.cache, self.ids)
-        self.turns.append(pre)
-        reply = [int(pre.logits.argmax())]
-        while len(reply) < max_new_tokens and reply[-1] != eos_token_id:
-            reply.append(int(self.engine.step(self.cache, reply[-1]).argmax()))
-        self.ids += reply
-        self.engine.register(self.cache, self.ids)  # the last reply token is not fed yet: ids run one past
-        return reply
-
-    def close(self) -> None:
-        """End the conversation; its pages stay in the prefix cache (if any) for later requests."""
-        self.engine.close(self.cache, self.ids)
