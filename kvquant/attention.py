@@ -25,10 +25,10 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .backend import ATTN_IMPLEMENTATION
+from .backend import ATTN_IMPLEMENTATION, call_attends
 from .cache import LayerView
 from .codecs.base import PageRead, page_rows, split_region
-from .store import Region
+from .paging import Region
 
 __all__ = [
     "ATTN_IMPLEMENTATION",
@@ -55,11 +55,12 @@ def kvquant_attention(
 ) -> tuple[torch.Tensor, None]:
     """Returns (attn_output (B, q, H_q, D), None), as transformers' attention functions do."""
     if isinstance(key, LayerView):
-        if key.kernel_registry is not None:  # the backend chose the kernels for this layer (kvquant.backend)
+        # the kernel when kvquant.backend chose it for this layer (LayerPaths.attend) and for this call
+        if key.kernel_registry is not None and call_attends(query, attention_mask, key.shape[2]):
             from .kernels.dispatch import fused_attention  # lazy: `import kvquant` never imports triton
 
             out = fused_attention(query, key, attention_mask, scaling, registry=key.kernel_registry)
-            if out is not None:
+            if out is not None:  # None: the variant cannot be built here (the registry logged it once)
                 return out, None
         return reference_attention(query, key, attention_mask, scaling), None
     return sdpa_attention_forward(
@@ -259,9 +260,12 @@ def _tiles(
     v = seg.value.to(query.dtype).repeat_interleave(g, dim=1) if g > 1 else seg.value.to(query.dtype)
     for q0 in range(0, q, _QUERY_TILE):
         rows = slice(q0, min(q, q0 + _QUERY_TILE))
-        visible, tile = masks.tile(rows, seg.col, seg.key.shape[2], seg.fresh)  # (B or 1, 1, r, n) or None
+        lo, hi = masks.columns(rows, seg.col, seg.key.shape[2], seg.fresh)
+        if hi <= lo:
+            continue  # hidden: the causal upper triangle, or keys every query saw in another copy
+        visible, tile = masks.tile(rows, seg.col + lo, hi - lo, seg.fresh)  # (B or 1, 1, r, hi - lo) or None
         if not visible:
-            continue  # hidden: the causal upper triangle, or keys a query saw in another copy
+            continue
         float_mask, empty_rows = None, None
         if tile is not None and tile.dtype == torch.bool:
             if not bool(tile.all()):
@@ -271,7 +275,8 @@ def _tiles(
         elif tile is not None:
             float_mask = tile.to(query.dtype)
             empty_rows = ~torch.isfinite(tile).any(dim=-1)
-        out, lse = _FLASH_CPU(query[:, :, rows], k, v, 0.0, False, attn_mask=float_mask, scale=scale)
+        kt, vt = (k, v) if (lo, hi) == (0, k.shape[2]) else (k[:, :, lo:hi], v[:, :, lo:hi])
+        out, lse = _FLASH_CPU(query[:, :, rows], kt, vt, 0.0, False, attn_mask=float_mask, scale=scale)
         if empty_rows is not None:
             lse = lse.masked_fill(empty_rows, float("-inf"))
         state.add(back(out) if back is not None else out, lse, rows)
@@ -317,6 +322,18 @@ class _Masks:
             own = torch.arange(self.ends.shape[0], device=self.device) + self.q0_col
             return bool((torch.minimum(own + 1, torch.full_like(own, f1)) > lo).any())
         return bool((lo < f1).any())  # the model's own mask decides tile by tile
+
+    def columns(self, rows: slice, c0: int, n: int, fresh: str | None) -> tuple[int, int]:
+        """[lo, hi): the columns of [c0, c0 + n), relative to c0, outside which no query of `rows` attends
+        (a bound; `tile` decides inside it). Causal chunks stop at the last row's own key; FP copies of
+        fresh keys start at the first row's quantized end (ends rise with the query: every row saw the keys
+        before it quantized), so a query tile reads a band of copies about a window wide, not all of them."""
+        lo, hi = 0, n
+        if self.causal:
+            hi = min(hi, self.q0_col + rows.stop - c0)
+        if fresh == "copy" and self.ends is not None:
+            lo = max(lo, int(self.ends[rows.start]) - c0)
+        return lo, max(lo, hi)
 
     def tile(self, rows: slice, c0: int, n: int, fresh: str | None) -> tuple[bool, torch.Tensor | None]:
         """(visible, mask) of query rows x key columns [c0, c0 + n): visible False when no query of the rows

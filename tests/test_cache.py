@@ -168,6 +168,34 @@ def test_chunk_attends_to_its_own_tokens_unquantized_inside_the_window(model64):
     assert (got[:, 32:] - fp[:, 32:]).abs().max() > 1e-3  # from 32 on, token 0 is quantized
 
 
+def test_long_windowed_chunk_reads_a_band_of_copies_and_equals_token_by_token(model64, monkeypatch):
+    """A 600-token chunk (three query tiles of 256) of a windowed scheme: each tile reads only the band of
+    FP copies its queries saw unquantized (from the first row's quantized end to the last row's own key), not
+    every fresh key with a mask, and still gives the logits of decoding one token at a time."""
+    import kvquant.attention as attention
+
+    scheme = "k=int4-channel-g16,v=int4-g16,sink=4,window=32"
+    ids = _ids(1, 600, seed=13)
+    widths = []
+    flash = attention._FLASH_CPU
+
+    def spy(q, k, v, *args, **kwargs):
+        widths.append(k.shape[2])
+        return flash(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(attention, "_FLASH_CPU", spy)
+    chunked = _run(model64, ids, kvquant.QuantizedCache(scheme, model64.config))
+    monkeypatch.setattr(attention, "_FLASH_CPU", flash)
+    decoded = _run(model64, ids, kvquant.QuantizedCache(scheme, model64.config), 1)
+    torch.testing.assert_close(chunked, decoded, atol=1e-9, rtol=0)
+    # per layer and tile: the sink (4 keys), the body's 560 stored keys, the window, the 560 fresh copies.
+    # Causal tiles stop at their last row's key and copy bands start at their first row's quantized end, so
+    # only tiles 2 and 3 read ~all of the body (508 and 560 keys) and no tile reads all copies; reading each
+    # segment whole, 3 body + 3 copy calls per layer read 560 (measured: 4,032 keys in all against 6,816)
+    wide = sum(w >= 500 for w in widths)
+    assert wide == 2 * model64.config.num_hidden_layers, sorted(widths)
+
+
 # ---------------------------------------------------------------------------------------- quality vs fp16
 
 
