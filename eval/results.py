@@ -784,6 +784,25 @@ def _memory_columns(row: dict, last: list[dict], mode: str) -> None:
     row["mem_held_per_token"] = per_token("mem_held")
     peaks = [r["mem_peak"] for r in last if r.get("mem_peak") is not None]
     row["mem_peak"] = float(max(peaks)) if peaks else math.nan
+    by_device = _by_device_per_token(last, mode)
+    if by_device is not None:
+        row[BY_DEVICE] = by_device
+
+
+BY_DEVICE = "bytes_per_token_by_device"  # a summary row's pages per device (not a summary.csv column)
+
+
+def _by_device_per_token(last: list[dict], mode: str) -> dict[str, float] | None:
+    """{device: its pages' bytes per token, averaged over documents} from the last-bucket rows'
+    `nbytes_by_device` (`kvquant.models.nbytes_by_device`, recorded with the measured memory); it sums to
+    `bytes_per_token_measured`. None unless every document's row has it (fake mode holds no pages)."""
+    if mode == "fake" or not last:
+        return None
+    if not all(r.get("nbytes_by_device") and r.get("cache_tokens") for r in last):
+        return None
+    devices = list(dict.fromkeys(d for r in last for d in r["nbytes_by_device"]))
+    return {d: sum(r["nbytes_by_device"].get(d, 0) / r["cache_tokens"] for r in last) / len(last)
+            for d in devices}
 
 
 def _noise(out: list[dict]) -> None:
@@ -907,6 +926,7 @@ def memory_table(summary: list[dict], names: Mapping[str, str] | None = None, pr
             cells.append(f"{held / formula:.2f}x" if math.isfinite(held) and formula else "–")
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
+        out += _by_device_table(rows, names)
     if not out:
         return ""
     how = f" Measured with {probe}." if probe else ""
@@ -934,6 +954,31 @@ def memory_table(summary: list[dict], names: Mapping[str, str] | None = None, pr
         "",
         *out,
     ])
+
+
+def _by_device_table(rows: list[dict], names: Mapping[str, str] | None = None) -> list[str]:
+    """The lines of a short table of the pages each scheme holds per device (B/token and share), from the
+    summary rows' `bytes_per_token_by_device`; none when the cache lives on one device (a model on one device,
+    or the map put every layer on one)."""
+    names = names or {}
+    devices = list(dict.fromkeys(d for r in rows for d in r.get(BY_DEVICE) or {}))
+    if len(devices) < 2:
+        return []
+    title = metrics.metric("bytes_per_token_measured").title
+    out = [f"pages held per device ({title}, share of the scheme's pages)", "",
+           "| scheme | " + " | ".join(f"`{d}`" for d in devices) + " |", "|" + "---|" * (len(devices) + 1)]
+    for r in rows:
+        by = r.get(BY_DEVICE)
+        if not by:
+            continue
+        total = sum(by.values())
+        cells = [f"`{names.get(r['scheme'], r['scheme'])}`"]
+        for d in devices:
+            v = by.get(d, 0.0)
+            share = f" ({100 * v / total:.0f}%)" if total else ""
+            cells.append(metrics.format_value("bytes_per_token_measured", v) + share)
+        out.append("| " + " | ".join(cells) + " |")
+    return [*out, ""]
 
 
 def _finite_num(v) -> bool:
@@ -1118,8 +1163,10 @@ def plot_drift(summary: list[dict], info: PlotInfo | None = None, reference: str
 
 
 def plot_bytes(summary: list[dict], info: PlotInfo | None = None):
-    """KV-cache bytes per token per scheme: measured from the cache (cache mode) beside the formula, each
-    bar labelled with its value and each scheme with its saving vs FP16."""
+    """KV-cache bytes per token per scheme: the pages held (cache mode) beside the formula, both counted at
+    the --kv-dtype storage dtype, and, where the run measured it, the memory the process really held for the
+    cache (RSS growth on the CPU, allocated bytes on CUDA: at the run's own dtype, pool reserve included);
+    each bar labelled with its value and each scheme with its saving vs FP16."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter
 
@@ -1131,14 +1178,16 @@ def plot_bytes(summary: list[dict], info: PlotInfo | None = None):
     fig, ax = plt.subplots(figsize=(max(9.0, 1.6 * len(alls) + 2.5), 5.2), layout="constrained")
     xs = list(range(len(alls)))
     series = [
-        ("held at the full length (pages counted)", "bytes_per_token", -0.2),
-        ("formula (steady state)", "bytes_per_token_formula", 0.2),
+        ("held at the full length (pages counted)", "bytes_per_token"),
+        ("formula (steady state)", "bytes_per_token_formula"),
+        (f"held by the process, measured (at {info.dtype}, reserve included)", "mem_held_per_token"),
     ]
-    for label, key, dx in series:
-        values = [float(r[key]) for r in alls]
-        if not any(math.isfinite(v) for v in values):
-            continue
-        bars = ax.bar([x + dx for x in xs], values, width=0.4, label=label)
+    shown = [(label, [float(r.get(key, math.nan)) for r in alls]) for label, key in series]
+    shown = [(label, values) for label, values in shown if any(math.isfinite(v) for v in values)]
+    width = 0.8 / max(1, len(shown))
+    for i, (label, values) in enumerate(shown):
+        dx = (i - (len(shown) - 1) / 2) * width
+        bars = ax.bar([x + dx for x in xs], values, width=width, label=label)
         ax.bar_label(bars, labels=[f"{v:,.0f}" if math.isfinite(v) else "" for v in values], fontsize=8)
     ticks = [
         info.name(r["scheme"]) + (f"\n{r['saving']:.2f}× smaller" if r["scheme"] != reference else "")

@@ -537,7 +537,8 @@ class _DocumentMemory:
     DynamicCache met while the reference is read from the reference cache is a scheme's FP prefill (prefill
     mode), not probed. Each bucket's report (`check`) confirms the attribution: the cache attributed to a
     label must hold the bytes and tokens evaluate_document reports for it, or the document's memory is
-    dropped with a warning."""
+    dropped with a warning; a confirmed kvquant cache's pages are then counted per device
+    (`kvquant.models.nbytes_by_device`, recorded by `finish` as `nbytes_by_device`)."""
 
     def __init__(self, meter: _MemoryMeter, labels: list[str], live_reference: bool, active: bool):
         self.meter = meter
@@ -547,6 +548,7 @@ class _DocumentMemory:
         self.caches: dict[str, object] = {}  # label -> its cache, kept alive until finish() drops it
         self.by_id: dict[int, str] = {}
         self.peaks: dict[str, int] = {}
+        self.by_device: dict[str, dict[str, int]] = {}  # label -> its pages per device at its last bucket
         self.open: tuple[str, object] | None = None
         self.method = ""
         self.valid = True
@@ -586,6 +588,7 @@ class _DocumentMemory:
             self.pending.remove(label)
         self.caches.pop(label, None)
         self.peaks.pop(label, None)
+        self.by_device.pop(label, None)
 
     def check(self, label: str, nbytes, ntok) -> None:
         cache = self.caches.get(label)
@@ -598,10 +601,15 @@ class _DocumentMemory:
                 "cache's %s bytes over %s tokens (evaluate_document's order of forwards changed?)",
                 label, nbytes, ntok,
             )
+        elif isinstance(cache, kvquant.QuantizedCache):  # the reference's DynamicCache has no pages
+            from kvquant.models import nbytes_by_device
+
+            self.by_device[label] = nbytes_by_device(cache)  # sums to nbytes (checked just above)
 
     def finish(self) -> dict[str, dict]:
         """Per label: `metrics.MEMORY_FIELDS`, with every cache still alive at the end of the document, each
-        then dropped in turn (what dropping it gives back is what it held)."""
+        then dropped in turn (what dropping it gives back is what it held); a kvquant cache's rows also get
+        `nbytes_by_device` ({device: bytes of its pages there}, summing to the row's `cache_bytes`)."""
         self.close_open()
         if not self.active or not self.valid:
             self.caches.clear()
@@ -622,6 +630,8 @@ class _DocumentMemory:
                 "mem_peak": self.peaks.get(label),
                 "mem_probe": f"{device}: {kind}",
             }
+            if label in self.by_device:
+                out[label]["nbytes_by_device"] = self.by_device[label]
         return out
 
 

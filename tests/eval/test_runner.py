@@ -388,6 +388,25 @@ def test_bytes_plot_stands_alone():
     values = sorted(t.get_text() for t in ax.texts)  # bar_label writes one text per bar
     assert values == sorted(["5,760", "5,236", "3,840"] * 2)
     assert min(t.get_fontsize() for t in ax.get_xticklabels()) >= 9
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == [
+        "held at the full length (pages counted)", "formula (steady state)"]  # nothing measured: no bar
+
+
+def test_bytes_plot_shows_what_the_process_held_beside_the_count():
+    """Where the run measured the memory the process held for each cache, a third bar per scheme shows it
+    (at the run's dtype, reserve included), so a reserve or dtype gap is visible next to the pages counted."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    rows = _summary_rows(with_band=False)
+    held = {"fp16": 11_530.0, "int4-g64": 10_600.0, "k=int2-channel-g32,v=int2-g32,window=128": 7_900.0}
+    for r in rows:
+        r["mem_held_per_token"] = held.get(r["scheme"], float("nan"))
+    ax = res.plot_bytes(rows, INFO).axes[0]
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert legend[2] == "held by the process, measured (at float32, reserve included)", legend
+    assert {"11,530", "10,600", "7,900"} <= {t.get_text() for t in ax.texts}
+    assert len(ax.patches) == 3 * 3  # three bars for each of the three schemes
 
 
 @pytest.mark.parametrize(
