@@ -59,72 +59,74 @@ def _codec_cache(config, scheme, heads: int, head_dim: int):
     return CodecCache(config=config)
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
+    """The command line: documents, tokens per document, schemes and the output stem."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--docs", type=int, default=6)
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--schemes", default=",".join(DEFAULT),
                    help="comma-separated; served:NAME = vLLM's layers")
     p.add_argument("--out", default=str(RESULTS / "engine_drift"))
-    args = p.parse_args()
+    return p.parse_args()
 
-    from kvquant.eval.calibration import calibration_documents
+
+def _kv_shape(cfg) -> tuple[int, int]:
+    """(KV heads, head dim) of the model config."""
+    heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or head_dim
+    return heads, head_dim
+
+
+def _logprobs(model, ids, cache) -> torch.Tensor:
+    with torch.no_grad():
+        return model(ids, cache=cache).logits[0, :-1].float().log_softmax(-1)  # (T - 1, V)
+
+
+def _measure_scheme(model, docs, refs, label: str, heads: int, head_dim: int) -> dict:
+    """One scheme's row: drift and KL with 95% intervals, and its bytes per token (all layers, K + V)."""
     from kvquant.eval.stats import bootstrap_intervals
-    from transformers import DynamicCache
 
     from kvquant.codecs.engine_vllm import vllm_cache_scheme
     from kvquant.memory import cache_bytes
-    from kvquant.models import load_model
     from kvquant.scheme import parse_scheme
 
-    t0 = time.perf_counter()
-    load0 = os.getloadavg()
-    model, tok = load_model(None)
     cfg = model.config
-    heads, head_dim = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or head_dim
-    docs = calibration_documents(tok, "wikipedia", args.docs, args.length, seed=1)
+    text = label
+    if label.startswith("served:"):
+        text = vllm_cache_scheme(label.partition(":")[2], cfg.num_hidden_layers)
+    scheme = parse_scheme(text)
+    diffs, kls = [], []
+    for ids, ref in zip(docs, refs, strict=True):
+        lp = _logprobs(model, ids, _codec_cache(cfg, scheme, heads, head_dim))
+        tgt = ids[0, 1:]
+        diffs.append((ref.gather(1, tgt[:, None]) - lp.gather(1, tgt[:, None]))[:, 0].double().numpy())
+        kls.append((ref.exp() * (ref - lp)).sum(-1).double().numpy())
+    ci = bootstrap_intervals(diffs, kls)
+    n = sum(len(d) for d in diffs)
+    per_token = cache_bytes(cfg, scheme, 1024) / 1024
+    return {
+        "scheme": label, "as_kvquant": str(scheme),
+        "drift": float(np.expm1(np.concatenate(diffs).sum() / n)), "drift_lo": ci["drift"][0],
+        "drift_hi": ci["drift"][1], "kl": float(np.concatenate(kls).mean()), "kl_lo": ci["kl"][0],
+        "kl_hi": ci["kl"][1], "bytes_per_token": per_token, "tokens": n,
+    }
 
-    def logprobs(ids, cache):
-        with torch.no_grad():
-            return model(ids, cache=cache).logits[0, :-1].float().log_softmax(-1)
 
-    refs = [logprobs(ids, DynamicCache(config=cfg)) for ids in docs.ids]
-    rows = []
-    for label in args.schemes.split(","):
-        text = label
-        if label.startswith("served:"):
-            text = vllm_cache_scheme(label.partition(":")[2], cfg.num_hidden_layers)
-        scheme = parse_scheme(text)
-        diffs, kls = [], []
-        for ids, ref in zip(docs.ids, refs, strict=True):
-            lp = logprobs(ids, _codec_cache(cfg, scheme, heads, head_dim))
-            tgt = ids[0, 1:]
-            diffs.append((ref.gather(1, tgt[:, None]) - lp.gather(1, tgt[:, None]))[:, 0].double().numpy())
-            kls.append((ref.exp() * (ref - lp)).sum(-1).double().numpy())
-        ci = bootstrap_intervals(diffs, kls)
-        n = sum(len(d) for d in diffs)
-        per_token = cache_bytes(cfg, scheme, 1024) / 1024
-        rows.append({
-            "scheme": label, "as_kvquant": str(scheme),
-            "drift": float(np.expm1(np.concatenate(diffs).sum() / n)), "drift_lo": ci["drift"][0],
-            "drift_hi": ci["drift"][1], "kl": float(np.concatenate(kls).mean()), "kl_lo": ci["kl"][0],
-            "kl_hi": ci["kl"][1], "bytes_per_token": per_token, "tokens": n,
-        })
-        print(rows[-1], flush=True)
-    wall = time.perf_counter() - t0
-    load1 = os.getloadavg()
-    out = Path(args.out)
+def _write_csv(out: Path, rows: list[dict]) -> None:
+    """One CSV line per scheme at OUT.csv (creating the folder)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
-    fp = 2 * cfg.num_hidden_layers * heads * head_dim * 2
+
+
+def _markdown_lines(rows: list[dict], cfg, fp: int, n_docs: int, length: int, timing: str) -> list[str]:
+    """The markdown report: setup paragraph, one table row per scheme, then TIMING (a sentence)."""
     lines = [
         "# Engine KV formats on the default model: drift and KL (decode-exact cache mode)",
         "",
-        f"SmolLM2-135M-Instruct (fp32, CPU), {len(docs.ids)} Wikipedia articles x {args.length} tokens "
+        f"SmolLM2-135M-Instruct (fp32, CPU), {n_docs} Wikipedia articles x {length} tokens "
         f"({rows[0]['tokens']} scored tokens). Every layer's K/V through the scheme's codecs before "
         "attention (per-(token, head) codes: equal to the decode-exact cache mode). `served:` = vLLM's "
         "TurboQuant as `vllm serve --kv-cache-dtype X` runs it (layers 0-1 and 28-29 unquantized). "
@@ -140,14 +142,39 @@ def main() -> None:
             f"{100 * r['drift_hi']:+.2f}] | {r['kl']:.4f} [{r['kl_lo']:.4f}, {r['kl_hi']:.4f}] "
             f"| {r['bytes_per_token']:,.0f} |"
         )
-    lines += [
-        "",
+    return lines + ["", timing, "", "Written by benchmarks/engine_drift.py."]
+
+
+def main() -> None:
+    args = _parse_args()
+
+    from kvquant.eval.calibration import calibration_documents
+    from transformers import DynamicCache
+
+    from kvquant.models import load_model
+
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()
+    model, tok = load_model(None)
+    cfg = model.config
+    heads, head_dim = _kv_shape(cfg)
+    docs = calibration_documents(tok, "wikipedia", args.docs, args.length, seed=1)
+    refs = [_logprobs(model, ids, DynamicCache(config=cfg)) for ids in docs.ids]
+    rows = []
+    for label in args.schemes.split(","):
+        rows.append(_measure_scheme(model, docs.ids, refs, label, heads, head_dim))
+        print(rows[-1], flush=True)
+    wall = time.perf_counter() - t0
+    load1 = os.getloadavg()
+    out = Path(args.out)
+    _write_csv(out, rows)
+    fp = 2 * cfg.num_hidden_layers * heads * head_dim * 2
+    timing = (
         f"Wall time {wall:.0f} s on {platform.processor() or platform.machine()} (torch threads "
         f"{torch.get_num_threads()}, load average {load0[0]:.1f} at start, {load1[0]:.1f} at end: "
-        "shared CPU).",
-        "",
-        "Written by benchmarks/engine_drift.py.",
-    ]
+        "shared CPU)."
+    )
+    lines = _markdown_lines(rows, cfg, fp, len(docs.ids), args.length, timing)
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

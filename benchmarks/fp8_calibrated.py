@@ -57,74 +57,59 @@ def _logprobs(model, ids, cache) -> torch.Tensor:
         return model(ids, cache=cache).logits[0, :-1].float().log_softmax(-1)  # (T - 1, V)
 
 
-def main() -> None:
+def _parse_args() -> argparse.Namespace:
+    """The command line: calibration / evaluation sizes and the output stem."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--calib-docs", type=int, default=4)
     p.add_argument("--eval-docs", type=int, default=6)
     p.add_argument("--length", type=int, default=1024)
     p.add_argument("--out", default=str(RESULTS / "fp8_calibrated"))
-    args = p.parse_args()
+    return p.parse_args()
 
-    from kvquant.eval.calibration import calibration_documents
-    from kvquant.eval.stats import bootstrap_intervals
-    from transformers import DynamicCache
 
-    from kvquant.export import describe, kv_absmax, scales_from_absmax
-    from kvquant.models import load_model
-
-    t0 = time.perf_counter()
-    load0 = os.getloadavg()
-    model, tok = load_model(None)
-    calib = calibration_documents(tok, "wikipedia", args.calib_docs, args.length, seed=0)
-    evald = calibration_documents(tok, "wikipedia", args.eval_docs, args.length, seed=1,
-                                  exclude_titles=calib.titles)
-    k_amax, v_amax = kv_absmax(model, calib.ids)
-    scales = scales_from_absmax(k_amax, v_amax, "tensor")
+def _configs(scales) -> dict[str, tuple[list[float], list[float]]]:
+    """Per-layer (k_scales, v_scales) of each configuration: vLLM's default 1.0 and the calibrated scales."""
     layers = scales.num_layers
-    configs = {
+    return {
         "vllm:fp8 scale 1.0 (vLLM default)": ([1.0] * layers, [1.0] * layers),
         "vllm:fp8 calibrated (max abs / 448)": (scales.k[:, 0].tolist(), scales.v[:, 0].tolist()),
     }
-    rows, counts_by = [], {}
-    refs = [_logprobs(model, ids, DynamicCache(config=model.config)) for ids in evald.ids]
-    for name, (ks, vs) in configs.items():
-        diffs, kls, counts = [], [], {}
-        for ids, ref in zip(evald.ids, refs, strict=True):
-            lp = _logprobs(model, ids, _fp8_cache(model.config, ks, vs, counts))
-            tgt = ids[0, 1:]
-            nll = -lp.gather(1, tgt[:, None])[:, 0]
-            nll_ref = -ref.gather(1, tgt[:, None])[:, 0]
-            diffs.append((nll - nll_ref).double().numpy())
-            kls.append((ref.exp() * (ref - lp)).sum(-1).double().numpy())
-        ci = bootstrap_intervals(diffs, kls)
-        tokens = sum(len(d) for d in diffs)
-        drift = float(np.expm1(np.concatenate(diffs).sum() / tokens))
-        kl = float(np.concatenate(kls).mean())
-        rows.append({"config": name, "drift": drift, "drift_lo": ci["drift"][0],
-                     "drift_hi": ci["drift"][1], "kl": kl, "kl_lo": ci["kl"][0], "kl_hi": ci["kl"][1],
-                     "tokens": tokens})
-        counts_by[name] = counts
-    wall = time.perf_counter() - t0
-    load1 = os.getloadavg()
 
-    out = Path(args.out)
+
+def _measure_config(model, docs, refs, name: str, ks, vs) -> tuple[dict, dict]:
+    """One configuration's drift and KL row (with 95% intervals) and its K/V range counts."""
+    from kvquant.eval.stats import bootstrap_intervals
+
+    diffs, kls, counts = [], [], {}
+    for ids, ref in zip(docs, refs, strict=True):
+        lp = _logprobs(model, ids, _fp8_cache(model.config, ks, vs, counts))
+        tgt = ids[0, 1:]
+        nll = -lp.gather(1, tgt[:, None])[:, 0]
+        nll_ref = -ref.gather(1, tgt[:, None])[:, 0]
+        diffs.append((nll - nll_ref).double().numpy())
+        kls.append((ref.exp() * (ref - lp)).sum(-1).double().numpy())
+    ci = bootstrap_intervals(diffs, kls)
+    tokens = sum(len(d) for d in diffs)
+    drift = float(np.expm1(np.concatenate(diffs).sum() / tokens))
+    kl = float(np.concatenate(kls).mean())
+    row = {"config": name, "drift": drift, "drift_lo": ci["drift"][0],
+           "drift_hi": ci["drift"][1], "kl": kl, "kl_lo": ci["kl"][0], "kl_hi": ci["kl"][1],
+           "tokens": tokens}
+    return row, counts
+
+
+def _write_csv(out: Path, rows: list[dict]) -> None:
+    """One CSV line per configuration at OUT.csv (creating the folder)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.with_suffix(".csv"), "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
         w.writeheader()
         w.writerows(rows)
+
+
+def _table_lines(rows: list[dict], counts_by: dict[str, dict]) -> list[str]:
+    """The markdown table: drift, KL and the share of subnormal / saturated values per configuration."""
     lines = [
-        "# vLLM FP8 (E4M3) KV cache: calibrated k_scale / v_scale vs scale 1.0",
-        "",
-        f"Default model (SmolLM2-135M-Instruct, fp32 on CPU), {len(evald.ids)} held-out Wikipedia articles "
-        f"x {args.length} tokens ({rows[0]['tokens']} scored tokens); scales from {len(calib.ids)} other "
-        f"articles x {args.length} tokens (`kvquant.export`, llm-compressor's min-max observer). Mode: every "
-        "layer's K/V through vLLM's per-tensor write (x / s, saturating E4M3) before attention (equal to the "
-        "decode-exact cache mode: per-tensor codes do not depend on chunking). 95% bootstrap intervals over "
-        "documents and tokens.",
-        "",
-        f"Scales: {describe(scales)}.",
-        "",
         "| configuration | ppl drift [95% CI] | KL / token [95% CI] "
         "| K subnormal | V subnormal | saturated |",
         "|---|---|---|---|---|---|",
@@ -140,7 +125,29 @@ def main() -> None:
             f"| {r['kl']:.5f} [{r['kl_lo']:.5f}, {r['kl_hi']:.5f}] | {100 * sub_k:.2f}% | {100 * sub_v:.2f}% "
             f"| {100 * sat:.4f}% |"
         )
-    lines += [
+    return lines
+
+
+def _intro_lines(n_eval: int, n_calib: int, length: int, tokens: int, scales_text: str) -> list[str]:
+    """The markdown's title and the paragraph on the setup (documents, tokens, mode, scales)."""
+    return [
+        "# vLLM FP8 (E4M3) KV cache: calibrated k_scale / v_scale vs scale 1.0",
+        "",
+        f"Default model (SmolLM2-135M-Instruct, fp32 on CPU), {n_eval} held-out Wikipedia articles "
+        f"x {length} tokens ({tokens} scored tokens); scales from {n_calib} other "
+        f"articles x {length} tokens (`kvquant.export`, llm-compressor's min-max observer). Mode: every "
+        "layer's K/V through vLLM's per-tensor write (x / s, saturating E4M3) before attention (equal to the "
+        "decode-exact cache mode: per-tensor codes do not depend on chunking). 95% bootstrap intervals over "
+        "documents and tokens.",
+        "",
+        f"Scales: {scales_text}.",
+        "",
+    ]
+
+
+def _notes_lines(wall: float, load0, load1, k_amax, v_amax, layers: int) -> list[str]:
+    """The markdown after the table: the columns, why scale 1.0 can pass, timing, per-layer maxima."""
+    return [
         "",
         "Subnormal: |x / s| below 2^-6, where E4M3 keeps fewer than 3 mantissa bits; saturated: beyond 448.",
         "",
@@ -167,6 +174,40 @@ def main() -> None:
         "",
         "Written by benchmarks/fp8_calibrated.py.",
     ]
+
+
+def main() -> None:
+    args = _parse_args()
+
+    from kvquant.eval.calibration import calibration_documents
+    from transformers import DynamicCache
+
+    from kvquant.export import describe, kv_absmax, scales_from_absmax
+    from kvquant.models import load_model
+
+    t0 = time.perf_counter()
+    load0 = os.getloadavg()
+    model, tok = load_model(None)
+    calib = calibration_documents(tok, "wikipedia", args.calib_docs, args.length, seed=0)
+    evald = calibration_documents(tok, "wikipedia", args.eval_docs, args.length, seed=1,
+                                  exclude_titles=calib.titles)
+    k_amax, v_amax = kv_absmax(model, calib.ids)
+    scales = scales_from_absmax(k_amax, v_amax, "tensor")
+    rows, counts_by = [], {}
+    refs = [_logprobs(model, ids, DynamicCache(config=model.config)) for ids in evald.ids]
+    for name, (ks, vs) in _configs(scales).items():
+        row, counts_by[name] = _measure_config(model, evald.ids, refs, name, ks, vs)
+        rows.append(row)
+    wall = time.perf_counter() - t0
+    load1 = os.getloadavg()
+
+    out = Path(args.out)
+    _write_csv(out, rows)
+    lines = (
+        _intro_lines(len(evald.ids), len(calib.ids), args.length, rows[0]["tokens"], describe(scales))
+        + _table_lines(rows, counts_by)
+        + _notes_lines(wall, load0, load1, k_amax, v_amax, scales.num_layers)
+    )
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

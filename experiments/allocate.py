@@ -20,10 +20,11 @@ import json
 import logging
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 from kvquant.eval.config import MAX_SEED
 
-from kvquant.scheme import SchemeError, parse_scheme, parse_spec
+from kvquant.scheme import Scheme, SchemeError, parse_scheme, parse_spec
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,59 +67,88 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Raise SchemeError for a budget, size or seed out of range."""
+    if not 0 < args.budget_bits <= 16:  # nan fails too
+        raise SchemeError(f"--budget-bits {args.budget_bits} must be in (0, 16]")
+    for flag, value, low, why in (
+        ("--group", args.group, 1, "consecutive layers measured and chosen together"),
+        ("--docs", args.docs, 1, "calibration documents for the sensitivities"),
+        ("--length", args.length, 2, "tokens per calibration document"),
+        ("--eval-docs", args.eval_docs, 0, "held-out articles; 0 skips the check"),
+        ("--eval-length", args.eval_length, 2, "tokens per held-out article"),
+    ):
+        if value < low:
+            raise SchemeError(f"{flag} {value} must be at least {low} ({why})")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise SchemeError(f"--seed {args.seed} must lie in 0..{MAX_SEED}")
+
+
+class _Parsed(NamedTuple):
+    """The command line's specs and schemes, parsed before torch is imported (a NamedTuple, not a dataclass:
+    it also works when the script is loaded by importlib without a sys.modules entry)."""
+
+    key_candidates: list[str] | None  # None: the default candidates
+    value_candidates: list[str] | None
+    base: Scheme  # fp16 with --sink / --window (and --calib)
+    compare: list[Scheme]
+    around: Scheme | None  # the --around operating point, with --sink / --window
+
+
+def _parse_schemes(args: argparse.Namespace) -> _Parsed:
+    """Check the numbers and parse every spec and scheme on the command line (SchemeError if one is bad)."""
+    _check_numbers(args)
+    kc = args.key_candidates.split(",") if args.key_candidates else None
+    vc = args.value_candidates.split(",") if args.value_candidates else None
+    for s in (kc or []) + (vc or []):
+        parse_spec(s)
+    base = parse_scheme(
+        f"fp16,sink={args.sink},window={args.window}" + (f",calib={args.calib}" if args.calib else "")
+    )
+    compare = [parse_scheme(s) for s in args.compare]
+    around = None
+    if args.around:
+        with_calib = args.calib and "calib=" not in args.around
+        text = args.around + (f",calib={args.calib}" if with_calib else "")
+        around = dataclasses.replace(parse_scheme(text), sink=args.sink, window=args.window)
+        if around.layers:
+            raise SchemeError("--around is a uniform recipe (one k= and v=), not a per-layer scheme")
+    if args.write_calib and not args.calib:
+        raise SchemeError("--write-calib stores the allocation in the calibration file; give --calib")
+    return _Parsed(kc, vc, base, compare, around)
+
+
+def _candidates(args: argparse.Namespace, parsed: _Parsed, A) -> tuple[list[str], list[str]]:
+    """The K and V candidate specs (given or default, plus --around's); SchemeError if one is unfit."""
+    kc, vc, around = parsed.key_candidates, parsed.value_candidates, parsed.around
+    if kc is None:
+        kc = list(A.UNIFORM_KEY_CANDIDATES if args.uniform_only else A.DEFAULT_KEY_CANDIDATES)
+    if vc is None:
+        vc = list(A.UNIFORM_VALUE_CANDIDATES if args.uniform_only else A.DEFAULT_VALUE_CANDIDATES)
+    if around is not None:  # the operating point is always a choice
+        kc += [str(around.key)] if str(around.key) not in map(str, map(parse_spec, kc)) else []
+        vc += [str(around.value)] if str(around.value) not in map(str, map(parse_spec, vc)) else []
+    specs = [parse_spec(s) for s in kc + vc]
+    if any(s.prerope for s in map(parse_spec, vc)):
+        raise SchemeError("-prerope applies to keys only; remove it from --value-candidates")
+    if any(s.needs_calibration for s in specs) and not args.calib:
+        raise SchemeError(
+            "nuqN and -crot candidates need --calib FILE (experiments/calibrate.py), or --uniform-only"
+        )
+    return kc, vc
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:  # the arguments are checked before torch is imported
-        if not 0 < args.budget_bits <= 16:  # nan fails too
-            raise SchemeError(f"--budget-bits {args.budget_bits} must be in (0, 16]")
-        for flag, value, low, why in (
-            ("--group", args.group, 1, "consecutive layers measured and chosen together"),
-            ("--docs", args.docs, 1, "calibration documents for the sensitivities"),
-            ("--length", args.length, 2, "tokens per calibration document"),
-            ("--eval-docs", args.eval_docs, 0, "held-out articles; 0 skips the check"),
-            ("--eval-length", args.eval_length, 2, "tokens per held-out article"),
-        ):
-            if value < low:
-                raise SchemeError(f"{flag} {value} must be at least {low} ({why})")
-        if not 0 <= args.seed <= MAX_SEED:
-            raise SchemeError(f"--seed {args.seed} must lie in 0..{MAX_SEED}")
-        kc = args.key_candidates.split(",") if args.key_candidates else None
-        vc = args.value_candidates.split(",") if args.value_candidates else None
-        for s in (kc or []) + (vc or []):
-            parse_spec(s)
-        base = parse_scheme(
-            f"fp16,sink={args.sink},window={args.window}" + (f",calib={args.calib}" if args.calib else "")
-        )
-        compare = [parse_scheme(s) for s in args.compare]
-        around = None
-        if args.around:
-            with_calib = args.calib and "calib=" not in args.around
-            text = args.around + (f",calib={args.calib}" if with_calib else "")
-            around = dataclasses.replace(parse_scheme(text), sink=args.sink, window=args.window)
-            if around.layers:
-                raise SchemeError("--around is a uniform recipe (one k= and v=), not a per-layer scheme")
-        if args.write_calib and not args.calib:
-            raise SchemeError("--write-calib stores the allocation in the calibration file; give --calib")
+        parsed = _parse_schemes(args)
     except SchemeError as e:
         print(f"allocate.py: {e}", file=sys.stderr)
         return 2
     from kvquant.eval import allocation as A
 
     try:
-        if kc is None:
-            kc = list(A.UNIFORM_KEY_CANDIDATES if args.uniform_only else A.DEFAULT_KEY_CANDIDATES)
-        if vc is None:
-            vc = list(A.UNIFORM_VALUE_CANDIDATES if args.uniform_only else A.DEFAULT_VALUE_CANDIDATES)
-        if around is not None:  # the operating point is always a choice
-            kc += [str(around.key)] if str(around.key) not in map(str, map(parse_spec, kc)) else []
-            vc += [str(around.value)] if str(around.value) not in map(str, map(parse_spec, vc)) else []
-        specs = [parse_spec(s) for s in kc + vc]
-        if any(s.prerope for s in map(parse_spec, vc)):
-            raise SchemeError("-prerope applies to keys only; remove it from --value-candidates")
-        if any(s.needs_calibration for s in specs) and not args.calib:
-            raise SchemeError(
-                "nuqN and -crot candidates need --calib FILE (experiments/calibrate.py), or --uniform-only"
-            )
+        kc, vc = _candidates(args, parsed, A)
     except SchemeError as e:
         print(f"allocate.py: {e}", file=sys.stderr)
         return 2
@@ -127,17 +157,17 @@ def main(argv: list[str] | None = None) -> int:
         args.budget_bits,
         kc,
         vc,
-        base,
+        parsed.base,
         model_path=args.model,
         docs=args.docs,
         length=args.length,
         eval_docs=args.eval_docs,
         eval_length=args.eval_length,
-        compare=compare,
+        compare=parsed.compare,
         seed=args.seed,
         group=args.group,
         out=Path(args.out),
-        around=around,
+        around=parsed.around,
         write_calib=args.write_calib,
     )
     print(json.dumps({k: v for k, v in result.items() if k != "choice"}, indent=1))

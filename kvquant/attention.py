@@ -333,6 +333,10 @@ class _Masks:
             hi = min(hi, self.q0_col + rows.stop - c0)
         if fresh == "copy" and self.ends is not None:
             lo = max(lo, int(self.ends[rows.start]) - c0)
+        elif fresh == "stored" and self.ends is not None:  # fresh keys past the last row's end: copies only
+            f0, f1 = self.fresh_cols
+            if c0 + n <= f1:  # (the body ends where the fresh keys end; keys after f1 are read as stored)
+                hi = min(hi, max(f0, int(self.ends[rows.stop - 1])) - c0)
         return lo, max(lo, hi)
 
     def tile(self, rows: slice, c0: int, n: int, fresh: str | None) -> tuple[bool, torch.Tensor | None]:
