@@ -256,8 +256,14 @@ def _tiles(
     tiles the mask hides entirely are skipped, tiles it leaves whole run unmasked."""
     b, hq, q, d = query.shape
     g = hq // seg.key.shape[1]
-    k = seg.key.to(query.dtype).repeat_interleave(g, dim=1) if g > 1 else seg.key.to(query.dtype)
-    v = seg.value.to(query.dtype).repeat_interleave(g, dim=1) if g > 1 else seg.value.to(query.dtype)
+
+    def heads(x: torch.Tensor) -> torch.Tensor:  # (B, H_kv, n, D) -> (B, H_q, n, D) in the query's dtype
+        return x.to(query.dtype).repeat_interleave(g, dim=1) if g > 1 else x.to(query.dtype)
+
+    # the FP copies of a long chunk's fresh keys are read a band per tile: expand each band to the query
+    # heads, never the whole copy (H_q / H_kv times the chunk's K/V, the prefill's largest transient)
+    banded = seg.fresh == "copy"
+    k, v = (seg.key, seg.value) if banded else (heads(seg.key), heads(seg.value))
     for q0 in range(0, q, _QUERY_TILE):
         rows = slice(q0, min(q, q0 + _QUERY_TILE))
         lo, hi = masks.columns(rows, seg.col, seg.key.shape[2], seg.fresh)
@@ -276,6 +282,8 @@ def _tiles(
             float_mask = tile.to(query.dtype)
             empty_rows = ~torch.isfinite(tile).any(dim=-1)
         kt, vt = (k, v) if (lo, hi) == (0, k.shape[2]) else (k[:, :, lo:hi], v[:, :, lo:hi])
+        if banded:
+            kt, vt = heads(kt), heads(vt)
         out, lse = _FLASH_CPU(query[:, :, rows], kt, vt, 0.0, False, attn_mask=float_mask, scale=scale)
         if empty_rows is not None:
             lse = lse.masked_fill(empty_rows, float("-inf"))
