@@ -32,7 +32,7 @@ import torch
 
 import kvquant
 from kvquant.memory import KVShape, spec_bytes
-from kvquant.scheme import FP16, LayerSpecs, QuantSpec, Scheme, parse_spec
+from kvquant.scheme import FP16, LayerSpecs, QuantSpec, Scheme, parse_spec, require_scheme
 
 logger = logging.getLogger(__name__)
 
@@ -108,10 +108,7 @@ def scheme_kl(
 ) -> float:
     """Mean KL(p_fp || p_scheme) per predicted token over the documents, through a QuantizedCache in cache
     mode (decode-exact: one forward, or `chunk` tokens at a time; the result does not depend on it)."""
-    if not isinstance(scheme, Scheme):  # parsed once, where the user's text came in (experiments/allocate.py)
-        raise TypeError(
-            f"scheme_kl takes a parsed Scheme (kvquant.parse_scheme), not {type(scheme).__name__} {scheme!r}"
-        )
+    require_scheme(scheme, "scheme_kl")  # parsed once, where the text came in (experiments/allocate.py)
     total, tokens = 0.0, 0
     for ids, ref in zip(documents, refs, strict=True):
         cache = kvquant.QuantizedCache(scheme, model.config, backend="torch")

@@ -13,7 +13,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 import kvquant
 from kvquant.plan import LayerPlan
-from kvquant.scheme import Scheme
+from kvquant.scheme import Scheme, require_scheme
 
 __all__ = ["FakeQuantCache", "FakeQuantLayer"]
 
@@ -59,12 +59,7 @@ class FakeQuantCache(Cache):
     """Layers return fake-quantized K/V as plain tensors (kvquant attention hands them to SDPA)."""
 
     def __init__(self, scheme: Scheme, config=None):
-        if not isinstance(scheme, Scheme):  # parsed once, at the entry point (KVQuantScheme holds it parsed)
-            raise TypeError(
-                f"FakeQuantCache takes a parsed Scheme (kvquant.parse_scheme), not {type(scheme).__name__} "
-                f"{scheme!r}"
-            )
-        self.scheme = scheme
+        self.scheme = require_scheme(scheme, "FakeQuantCache")  # parsed once, at the entry point
         if config is None:
             if self.scheme.layers:
                 raise ValueError(f"scheme {self.scheme} has per-layer specs: pass the model's config")

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import quirks
-from .scheme import QuantSpec, Scheme, SchemeError, parse_scheme, parse_spec
+from .scheme import QuantSpec, Scheme, SchemeError, parse_scheme, parse_spec, require_scheme
 from .spec_types import FP8, Center, TokenGroups
 
 __all__ = [
@@ -278,12 +278,7 @@ def keys_at_risk(scheme: Scheme) -> list[QuantSpec]:
     """Key specs of the scheme (every layer's) that quantize keys per token, head or channel group with no
     offset removed: integer or codebook specs at token / head / gN granularity without -center. Takes a
     parsed Scheme (`OffsetWarner` parses the caller's text once)."""
-    if not isinstance(scheme, Scheme):
-        raise TypeError(
-            f"keys_at_risk takes a parsed Scheme (kvquant.parse_scheme), not {type(scheme).__name__} "
-            f"{scheme!r}"
-        )
-    keys = [k for k, _ in scheme.layer_specs()]
+    keys = [k for k, _ in require_scheme(scheme, "keys_at_risk").layer_specs()]
     return [
         s
         for s in dict.fromkeys(keys)

@@ -149,6 +149,7 @@ __all__ = [
     "PRESETS",
     "parse_spec",
     "parse_scheme",
+    "require_scheme",
     "list_schemes",
     "scheme_help",
 ]
@@ -1158,6 +1159,16 @@ _TQ_NAMES = "|".join(TURBOQUANT_PRESET_NAMES)
 # vllm:turboquant_4bit_nc as a whole item -> k=...k,v=...v; as a layers= range spec -> ...k/...v
 _TQ_ITEM = re.compile(rf"(?:^|(?<=,))\s*vllm:\s*({_TQ_NAMES})\s*(?=,|$)", re.IGNORECASE)
 _TQ_RANGE = re.compile(rf"(?<=:)\s*vllm:\s*({_TQ_NAMES})\s*(?=[+;,]|$)", re.IGNORECASE)
+
+
+def require_scheme(scheme: object, who: str) -> Scheme:
+    """`scheme` itself when it is a parsed Scheme; else a TypeError naming `who` (a function past the entry
+    points, which parse the user's text once) and the fix."""
+    if not isinstance(scheme, Scheme):
+        raise TypeError(
+            f"{who} takes a parsed Scheme (kvquant.parse_scheme), not {type(scheme).__name__} {scheme!r}"
+        )
+    return scheme
 
 
 def parse_scheme(text: str | Scheme) -> Scheme:
