@@ -1194,7 +1194,13 @@ def plot_bytes(summary: list[dict], info: PlotInfo | None = None):
         for r in alls
     ]
     ax.set_xticks(xs, ticks, fontsize=9, rotation=20 if len(alls) > 5 else 0)
-    ax.set_ylabel(f"KV-cache bytes per token (at {info.kv_dtype} K/V storage)")
+    measured = any(label == series[2][0] for label, _ in shown)  # two dtypes on one axis: say both
+    if measured:
+        ax.set_ylabel(
+            f"KV-cache bytes per token\n(counted at {info.kv_dtype} K/V storage, measured at {info.dtype})"
+        )
+    else:
+        ax.set_ylabel(f"KV-cache bytes per token (at {info.kv_dtype} K/V storage)")
     ax.yaxis.set_major_formatter(FuncFormatter(lambda y, _: f"{y:,.0f}"))
     ax.margins(y=0.12)
     ax.legend(fontsize=8)

@@ -390,6 +390,7 @@ def test_bytes_plot_stands_alone():
     assert min(t.get_fontsize() for t in ax.get_xticklabels()) >= 9
     assert [t.get_text() for t in ax.get_legend().get_texts()] == [
         "held at the full length (pages counted)", "formula (steady state)"]  # nothing measured: no bar
+    assert ax.get_ylabel() == "KV-cache bytes per token (at float16 K/V storage)"
 
 
 def test_bytes_plot_shows_what_the_process_held_beside_the_count():
@@ -405,6 +406,8 @@ def test_bytes_plot_shows_what_the_process_held_beside_the_count():
     ax = res.plot_bytes(rows, INFO).axes[0]
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert legend[2] == "held by the process, measured (at float32, reserve included)", legend
+    two_dtypes = "KV-cache bytes per token\n(counted at float16 K/V storage, measured at float32)"
+    assert ax.get_ylabel() == two_dtypes
     assert {"11,530", "10,600", "7,900"} <= {t.get_text() for t in ax.texts}
     assert len(ax.patches) == 3 * 3  # three bars for each of the three schemes
 
