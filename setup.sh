@@ -16,8 +16,9 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 
-# kvquant's native CPU ops (kvquant/native: fused reads of affine pages for the reference attention),
-# compiled once per source, torch and flags (~15 s with g++); without a compiler the PyTorch path serves.
+# kvquant's native CPU ops (kvquant/native: fused reads of affine pages for the reference attention, and the
+# rotations' Walsh-Hadamard transform), compiled once per source, torch and flags (~15 s with g++); without a
+# compiler the PyTorch path serves.
 native() { "$PY" -m kvquant.native build || echo "[setup] native ops not built: the PyTorch path will serve"; }
 
 if [ -f "$STAMP" ] && [ "$STAMP" -nt pyproject.toml ] && [ "$STAMP" -nt setup.sh ] && [ "${KVQUANT_GEMMA:-0}" != "1" ]; then

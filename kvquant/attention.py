@@ -202,6 +202,7 @@ def _fp_rows(pool: torch.Tensor, region: Region, work: torch.dtype) -> torch.Ten
 
 _DIRECT_QUERIES = 16  # up to this many queries are scored directly; more go through the fused kernel in tiles
 _QUERY_TILE = 256
+_MIXED_TILE = 64  # query rows per tile where a chunk's queries read fresh keys some as stored, some as copies
 
 
 class _Merge:
@@ -252,8 +253,8 @@ def _direct(
 def _tiles(
     query: torch.Tensor, seg: _Segment, masks: _Masks, scale: float, state: _Merge, back=None
 ) -> None:
-    """One segment for a chunk of queries, through torch's fused CPU attention one query tile at a time;
-    tiles the mask hides entirely are skipped, tiles it leaves whole run unmasked."""
+    """One segment for a chunk of queries, through torch's fused CPU attention one query tile at a time
+    (`_Masks.spans`); tiles the mask hides entirely are skipped, tiles it leaves whole run unmasked."""
     b, hq, q, d = query.shape
     g = hq // seg.key.shape[1]
 
@@ -264,11 +265,7 @@ def _tiles(
     # heads, never the whole copy (H_q / H_kv times the chunk's K/V, the prefill's largest transient)
     banded = seg.fresh == "copy"
     k, v = (seg.key, seg.value) if banded else (heads(seg.key), heads(seg.value))
-    for q0 in range(0, q, _QUERY_TILE):
-        rows = slice(q0, min(q, q0 + _QUERY_TILE))
-        lo, hi = masks.columns(rows, seg.col, seg.key.shape[2], seg.fresh)
-        if hi <= lo:
-            continue  # hidden: the causal upper triangle, or keys every query saw in another copy
+    for rows, lo, hi in masks.spans(q, seg.col, seg.key.shape[2], seg.fresh):
         visible, tile = masks.tile(rows, seg.col + lo, hi - lo, seg.fresh)  # (B or 1, 1, r, hi - lo) or None
         if not visible:
             continue
@@ -329,7 +326,22 @@ class _Masks:
         if self.causal:
             own = torch.arange(self.ends.shape[0], device=self.device) + self.q0_col
             return bool((torch.minimum(own + 1, torch.full_like(own, f1)) > lo).any())
-        return bool((lo < f1).any())  # the model's own mask decides tile by tile
+        if self.explicit is None:  # one query, no mask: it attends to every key
+            return bool((lo < f1).any())
+        # the model's mask: does some query attend to a fresh key at or past its quantized end? (row tiles:
+        # no (q, F) mask at once; a causal mask answers no without a window, where every end is own + 1)
+        cols = torch.arange(f0, f1, device=self.device)
+        for r0 in range(0, lo.shape[0], _QUERY_TILE):
+            r1 = min(lo.shape[0], r0 + _QUERY_TILE)
+            c = int(lo[r0])  # ends rise with the query: columns before c were quantized for every row
+            if c >= f1:
+                continue
+            m = self.explicit[:, :, r0:r1, c:f1]  # (B or 1, 1, r, F - c)
+            attends = m if m.dtype == torch.bool else m > float("-inf")
+            unquantized = cols[None, c - f0 :] >= lo[r0:r1, None]  # (r, F - c)
+            if bool((attends & unquantized).any()):
+                return True
+        return False
 
     def columns(self, rows: slice, c0: int, n: int, fresh: str | None) -> tuple[int, int]:
         """[lo, hi): the columns of [c0, c0 + n), relative to c0, outside which no query of `rows` attends
@@ -346,6 +358,32 @@ class _Masks:
             if c0 + n <= f1:  # (the body ends where the fresh keys end; keys after f1 are read as stored)
                 hi = min(hi, max(f0, int(self.ends[rows.stop - 1])) - c0)
         return lo, max(lo, hi)
+
+    def spans(self, q: int, c0: int, n: int, fresh: str | None) -> Iterator[tuple[slice, int, int]]:
+        """(rows, lo, hi): the query tiles and column bounds (relative to c0) that read the segment of
+        columns [c0, c0 + n); empty bounds are left out. Tiles of `_QUERY_TILE` rows; where the queries
+        read fresh keys part as stored and part from their FP copies (a window: `copies_needed`), the
+        columns every row of a tile reads as stored stay one tile, and the rest (a band about a window
+        wide along the diagonal) go in tiles of `_MIXED_TILE` rows, so each reads a narrow band."""
+        mixed = self.copies_needed and fresh is not None
+        for q0 in range(0, q, _QUERY_TILE):
+            rows = slice(q0, min(q, q0 + _QUERY_TILE))
+            lo, hi = self.columns(rows, c0, n, fresh)
+            if not mixed:
+                if hi > lo:
+                    yield rows, lo, hi
+                continue
+            start = lo
+            if fresh == "stored":  # before the first row's quantized end, every row reads the keys as stored
+                start = min(hi, max(lo, int(self.ends[rows.start]) - c0))
+                if start > lo:
+                    yield rows, lo, start
+            for s0 in range(rows.start, rows.stop, _MIXED_TILE):
+                sub = slice(s0, min(rows.stop, s0 + _MIXED_TILE))
+                slo, shi = self.columns(sub, c0, n, fresh)
+                slo = max(slo, start)
+                if shi > slo:
+                    yield sub, slo, shi
 
     def tile(self, rows: slice, c0: int, n: int, fresh: str | None) -> tuple[bool, torch.Tensor | None]:
         """(visible, mask) of query rows x key columns [c0, c0 + n): visible False when no query of the rows

@@ -221,6 +221,33 @@ def test_fwht_is_the_orthonormal_hadamard(d):
     assert torch.allclose(h @ h.T, eye, atol=1e-12)
 
 
+def _stacked_fwht(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The butterflies as first written (a stack per stage): `fwht` must give exactly these bits."""
+    lead, d, h = x.shape[:-1], x.shape[-1], 1
+    while h < n:
+        y = x.reshape(*lead, d // (2 * h), 2, h)
+        x = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2)
+        h *= 2
+    return x.reshape(*lead, d) * (1.0 / math.sqrt(n))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(
+    ("shape", "block"), [((2, 3, 5, 64), None), ((1, 4, 7, 128), 64), ((9, 96), 32), ((1, 1), None)]
+)
+def test_fwht_buffers_give_the_stacked_butterflies_bit_for_bit(shape, block, dtype):
+    x = torch.randn(shape, dtype=dtype)
+    n = block or shape[-1]
+    assert torch.equal(fwht(x, block), _stacked_fwht(x, n))
+    xt = torch.randn(shape[::-1], dtype=dtype).transpose(0, -1)  # a non-contiguous input
+    assert torch.equal(fwht(xt, block), _stacked_fwht(xt, n))
+    xg = x.clone().requires_grad_()  # the differentiable form: same bits, and a gradient
+    y = fwht(xg, block)
+    assert torch.equal(y.detach(), _stacked_fwht(x, n))
+    y.sum().backward()
+    assert xg.grad is not None
+
+
 def test_block_rotation_for_non_power_of_two():
     x = torch.randn(3, 96, dtype=torch.float64)
     s = hadamard_signs(0, 96)

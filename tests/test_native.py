@@ -135,10 +135,51 @@ def test_native_disabled_by_env(monkeypatch):
 def test_library_key_follows_source(monkeypatch, tmp_path):
     """The built library is keyed by content: another source gives another path."""
     a = native.library_path()
-    src = tmp_path / "affine_attn.cpp"
-    src.write_text(native.SOURCE.read_text() + "\n// changed\n")
-    monkeypatch.setattr(native, "SOURCE", src)
-    assert native.library_path() != a
+    for i, source in enumerate(native.SOURCES):
+        src = tmp_path / source.name
+        src.write_text(source.read_text() + "\n// changed\n")
+        monkeypatch.setattr(native, "SOURCES", (*native.SOURCES[:i], src, *native.SOURCES[i + 1 :]))
+        assert native.library_path() != a
+        monkeypatch.undo()
+        assert native.library_path() == a
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("shape", "block"), [((2, 9, 37, 64), 64), ((1, 3, 300, 128), 64), ((5, 256), 256),
+                                              ((4, 96), 32), ((7, 8), 8)])
+def test_native_fwht_gives_the_pytorch_butterflies_bit_for_bit(ops, monkeypatch, shape, block, dtype):
+    """The fused FWHT (kvquant/native/fwht.cpp) and the PyTorch butterflies, with and without the signs of a
+    rotation, on inputs spanning several binades: the same bits (each butterfly one IEEE add or subtract)."""
+    from kvquant.codecs import transforms as tr
+
+    g = torch.Generator().manual_seed(3)
+    spread = torch.logspace(-3, 3, shape[-1], dtype=torch.float64)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * spread).to(dtype)
+    signs = tr.hadamard_signs(5, shape[-1])
+
+    def three():  # plain, signs in (rotate), signs out (unrotate)
+        return [tr._hadamard(x, block, **s) for s in ({}, {"s_in": signs}, {"s_out": signs})]
+
+    got = three()
+    rows = x.numel() // shape[-1]
+    none = x.new_empty(0)
+    assert ops.fwht(x.reshape(rows, shape[-1]), block, none, none).shape == (rows, shape[-1])
+    monkeypatch.setenv(native.ENV, "0")
+    native.ops.cache_clear()
+    try:
+        want = three()
+    finally:
+        monkeypatch.delenv(native.ENV)
+        native.ops.cache_clear()
+    for a, b in zip(got, want, strict=True):
+        assert a.dtype == dtype and a.shape == x.shape
+        assert torch.equal(a, b)
+    assert torch.allclose(tr.unrotate(tr.rotate(x, signs), signs), x, atol=1e-4 * float(x.abs().max()))
+
+
+def test_native_fwht_names_a_bad_block(ops):
+    with pytest.raises(RuntimeError, match="do not tile"):
+        ops.fwht(torch.zeros(2, 96), 64, torch.zeros(0), torch.zeros(0))
 
 
 def test_pageread_block_size():

@@ -101,20 +101,55 @@ def fwht(x: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """Orthonormal fast Walsh-Hadamard transform over the last dim in blocks of `block` (a power of two
     dividing it; default all of it): O(D log D) butterflies, no matrix. Its own inverse.
     (..., D) -> (..., D)."""
+    return _hadamard(x, block or x.shape[-1])
+
+
+def _hadamard(
+    x: torch.Tensor, n: int, s_in: torch.Tensor | None = None, s_out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """s_out * fwht(s_in * x) in blocks of n (signs (D,) of +-1, or None): kvquant.native's fused op on the
+    CPU where it is built, else the same butterflies in PyTorch (the same bits: tests/test_native.py)."""
     d = x.shape[-1]
-    n = block or d
     if n & (n - 1) or d % n:
         raise ValueError(
             f"Walsh-Hadamard blocks of {n} do not tile {d} channels (need a power of two dividing it)"
         )
-    lead = x.shape[:-1]
-    h = 1
+    grad = x.requires_grad and torch.is_grad_enabled()
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not grad:
+        from .. import native
+
+        ops = native.ops()
+        if ops is not None:
+            none = x.new_empty(0)
+            sin, sout = (none if s is None else s.to(x.dtype).contiguous() for s in (s_in, s_out))
+            return ops.fwht(x.reshape(-1, d).contiguous(), n, sin, sout).view(x.shape)
+    if s_in is not None:
+        x = x * s_in.to(x.device)
+    return _butterflies(x, n, grad) if s_out is None else _butterflies(x, n, grad) * s_out.to(x.device)
+
+
+def _butterflies(x: torch.Tensor, n: int, grad: bool) -> torch.Tensor:
+    """The PyTorch FWHT: stage h = 1, 2, 4, ... writes (a + b, a - b) for the channel pairs (i, i + h) of
+    each run of 2h, into two buffers in turn (`grad`: stacked instead, differentiable); then / sqrt(n)."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    if grad:  # out= below does not record a gradient
+        h = 1
+        while h < n:
+            y = x.reshape(*lead, d // (2 * h), 2, h)
+            x = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2)
+            h *= 2
+        return x.reshape(*lead, d) * (1.0 / math.sqrt(n))
+    src = x.reshape(-1, d)  # (N, D)
+    bufs = (torch.empty_like(src), torch.empty_like(src)) if n > 1 else ()
+    h, turn = 1, 0
     while h < n:
-        y = x.reshape(*lead, d // (2 * h), 2, h)  # pairs (i, i + h) within each run of 2h channels
-        a, b = y[..., 0, :], y[..., 1, :]
-        x = torch.stack((a + b, a - b), dim=-2)
-        h *= 2
-    return x.reshape(*lead, d) * (1.0 / math.sqrt(n))
+        dst = bufs[turn]
+        y = src.view(-1, d // (2 * h), 2, h)  # pairs (i, i + h) within each run of 2h channels
+        o = dst.view(-1, d // (2 * h), 2, h)
+        torch.add(y[:, :, 0], y[:, :, 1], out=o[:, :, 0])
+        torch.sub(y[:, :, 0], y[:, :, 1], out=o[:, :, 1])
+        src, turn, h = dst, turn ^ 1, h * 2
+    return (src * (1.0 / math.sqrt(n))).view(*lead, d)
 
 
 def hadamard_signs(seed: int, head_dim: int) -> torch.Tensor:
@@ -126,12 +161,12 @@ def hadamard_signs(seed: int, head_dim: int) -> torch.Tensor:
 
 def rotate(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """R x = H (s * x) over the last dim (fp32 in, fp32 out)."""
-    return fwht(x * signs.to(x.device), rotation_block(x.shape[-1]))
+    return _hadamard(x, rotation_block(x.shape[-1]), s_in=signs)
 
 
 def unrotate(y: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
     """R^T y = s * (H y): the inverse of `rotate` (H is symmetric and orthonormal)."""
-    return fwht(y, rotation_block(y.shape[-1])) * signs.to(y.device)
+    return _hadamard(y, rotation_block(y.shape[-1]), s_out=signs)
 
 
 @register(Rotate)

@@ -1,13 +1,16 @@
-"""Native CPU ops for the reference attention path: fused reads of affine INT8/INT4/INT2 pages.
+"""Native CPU ops for the reference attention path: fused reads of affine INT8/INT4/INT2 pages, and the
+Walsh-Hadamard transform of the rotations.
 
 `affine_attn.cpp` computes attention scores and weighted sums of values straight from the packed codes in
 the page pool, through the block table (no gather, no unpacked or dequantized tensor), with the scales
 folded into the products: the same arithmetic as `AffineCodec.score_pages` / `value_pages`' PyTorch path,
 its twin (tests/test_native.py compares them; fp32, summation order differs).
+`fwht.cpp` runs `kvquant.codecs.transforms.fwht`'s butterflies a row at a time in a small buffer (the
+PyTorch path makes one pass over memory per stage): the same bits as its PyTorch twin.
 
 Built ahead, never during a run: `python -m kvquant.native build` (setup.sh runs it; about half a minute
 with a C++ compiler) writes the library under `kvquant.paths.cache_root() / "native" / <key>`, the key a
-hash of the source, torch's version and the compiler flags. A run loads it if it is there; if not (no
+hash of the sources, torch's version and the compiler flags. A run loads it if it is there; if not (no
 compiler, or KVQUANT_NATIVE=0), the PyTorch path serves and one log line says how to build it.
 """
 
@@ -26,7 +29,7 @@ __all__ = ["available", "build", "library_path", "ops"]
 
 logger = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("affine_attn.cpp")
+SOURCES = tuple(Path(__file__).with_name(f) for f in ("affine_attn.cpp", "fwht.cpp"))
 ENV = "KVQUANT_NATIVE"  # "0": never load the native ops
 
 
@@ -43,7 +46,9 @@ def _flags() -> list[str]:
 
 
 def _key() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for source in SOURCES:
+        h.update(source.read_bytes())
     h.update(torch.__version__.encode())
     h.update(" ".join(_flags()).encode())
     return h.hexdigest()[:16]
@@ -67,7 +72,8 @@ def build(verbose: bool = False) -> Path:
         from torch.utils.cpp_extension import load
 
         path.parent.mkdir(parents=True, exist_ok=True)
-        load(name=_name(), sources=[str(SOURCE)], extra_cflags=_flags(), build_directory=str(path.parent),
+        load(name=_name(), sources=[str(s) for s in SOURCES], extra_cflags=_flags(),
+             build_directory=str(path.parent),
              is_python_module=False, verbose=verbose)
     return path
 
