@@ -68,7 +68,17 @@ import triton.language as tl
 from kvquant.codecs.transforms import KernelFrame
 
 from .codebook import _level, lut_tables, lut_words, words_ok
-from .layouts import decode_frame, decode_layout, decode_parts, device_levels
+from .codes import _code_ints, _codes, _codes_w8, _fp8_byte_f16, _fp8_w8  # noqa: F401 (tests import them here)
+from .engine_blocks import engine_body
+from .layouts import (
+    EngineKernelLayout,
+    SignedInt8KernelLayout,
+    decode_frame,
+    decode_layout,
+    decode_parts,
+    device_levels,
+    engine_levels,
+)
 from .registry import KernelRegistry, default_registry
 
 __all__ = ["decode_attention", "decode_attention_ref", "gather_region", "BLOCK_T"]
@@ -85,189 +95,6 @@ _REDUCE_DNS = ["NSPLIT", "s_ob"]
 
 
 # ----------------------------------------------------------------------------------------------- jit
-
-
-@triton.jit
-def _u8_to_f16(p, SHIFT: tl.constexpr, ASM: tl.constexpr):
-    """uint8 (any shape) -> fp16 holding 1024 + (p >> SHIFT) & (255 >> SHIFT) exactly (SHIFT 0 or 4; 0 with
-    a 4-bit mask when SHIFT is 4 and the low nibble is wanted: see _codes).
-
-    The exponent trick: OR-ing an 8-bit value into the mantissa of 1024.0 (0x6400) gives 1024 + value.
-    Compiled (ASM), four bytes of one register become two half2 registers with one PRMT each (and a LOP3
-    for a nibble), where Triton's generic path extracts and re-packs every byte (two PRMTs per value); the
-    interpreter, which cannot run PTX, takes the generic path, bit for bit the same values."""
-    if ASM:
-        if SHIFT == 0:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 m; mov.b32 m, 0x64646464; "
-                "prmt.b32 $0, $2, m, 0x5140; prmt.b32 $1, $2, m, 0x7362; }",
-                "=r,=r,r", [p], dtype=tl.float16, is_pure=True, pack=4)
-        elif SHIFT == 4:  # high nibbles: 64 + n/16 * 16 ... scaled so that the result is 1024 + n
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
-                "shr.b32 t0, t0, 4; shr.b32 t1, t1, 4; "
-                "lop3.b32 $0, t0, 0x000f000f, 0x64006400, 0xea; "
-                "lop3.b32 $1, t1, 0x000f000f, 0x64006400, 0xea; }",
-                "=r,=r,r", [p], dtype=tl.float16, is_pure=True, pack=4)
-        else:  # low nibbles
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
-                "lop3.b32 $0, t0, 0x000f000f, 0x64006400, 0xea; "
-                "lop3.b32 $1, t1, 0x000f000f, 0x64006400, 0xea; }",
-                "=r,=r,r", [p], dtype=tl.float16, is_pure=True, pack=4)
-    else:
-        w = p.to(tl.uint16)
-        if SHIFT == 4:
-            w = w >> 4
-        elif SHIFT == 5:
-            w = w & 15
-        return (w | 0x6400).to(tl.float16, bitcast=True)
-
-
-@triton.jit
-def _w32_to_f16x4(w, ASM: tl.constexpr):
-    """int32 words (any shape) -> four fp16 tensors of that shape, byte k of each word as 1024 + byte k.
-
-    Compiled (ASM): two PRMTs per word (0x64 into the high byte of each half), the halves of the two
-    results handed out as 16-bit registers; a word-sized load keeps the four codes in the register they
-    arrived in, where a uint8 load is split into bytes and packed again (three PRMTs and two LOP3s per
-    word more). The interpreter extracts the bytes with shifts, bit for bit the same values."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "{ .reg .b32 m, t0, t1; mov.b32 m, 0x64646464; prmt.b32 t0, $4, m, 0x5140; "
-            "prmt.b32 t1, $4, m, 0x7362; mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; }",
-            "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
-            pack=1)
-    else:
-        c0 = ((w & 255) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        c1 = (((w >> 8) & 255) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        c2 = (((w >> 16) & 255) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        c3 = (((w >> 24) & 255) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-        return c0, c1, c2, c3
-
-
-@triton.jit
-def _codes(p, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
-           OUT: tl.constexpr, ASM: tl.constexpr):
-    """(BLOCK_T, D * BITS // 8) packed bytes -> (BLOCK_T, D) in OUT holding code - BIAS exactly.
-
-    Byte j holds codes per*j .. per*j+per-1, lowest bits first (codecs.packing). Integer -> float by the
-    exponent trick instead of a (quarter-rate) I2F: OR-ing a code c into the mantissa of 2^m gives the
-    float 2^m + c (fp16: 0x6400 = 1024; fp32: 0x4B000000 = 2^23, for bf16 too), and one
-    subtraction of 2^m + BIAS, exact, leaves c - BIAS (BIAS: a symmetric spec's code offset, else 0)."""
-    if OUT == tl.float16 and BITS == 8:
-        return _u8_to_f16(p, 0, ASM) - (1024.0 + BIAS)
-    elif OUT == tl.float16 and BITS == 4:
-        lo = _u8_to_f16(p, 5, ASM)
-        hi = _u8_to_f16(p, 4, ASM)
-        return tl.reshape(tl.join(lo, hi), (BLOCK_T, D)) - (1024.0 + BIAS)  # [.., j, i] = code 2j + i
-    if BITS == 8:
-        c = p.to(tl.uint32)
-    elif BITS == 4:
-        w = p.to(tl.uint32)
-        c = tl.reshape(tl.join(w & 15, w >> 4), (BLOCK_T, D))  # [.., j, i] = code 2j + i
-    else:
-        # join appends a last axis: join(join(c0, c2), join(c1, c3))[.., j, a, c] = code 4j + 2a + c
-        w = p.to(tl.uint32)
-        c0, c1, c2, c3 = w & 3, (w >> 2) & 3, (w >> 4) & 3, w >> 6
-        c = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_T, D))
-    if OUT == tl.float16:
-        return (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + BIAS)
-    else:  # bf16 and fp32 go through fp32 (the interpreter cannot bitcast to bf16; one F2FP per pair)
-        return ((c | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)).to(OUT)
-
-
-@triton.jit
-def _codes_w8(p, BLOCK_T: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr, OUT: tl.constexpr,
-              ASM: tl.constexpr):
-    """int32 words (BLOCK_T, D // 4) of 8-bit codes (the pool viewed as int32; byte k of word j = code
-    4j + k) -> (BLOCK_T, D) in OUT holding code - BIAS exactly, as `_codes`."""
-    # join(join(c0, c2), join(c1, c3))[.., j, a, b] = c_{2a+b} = code 4j + 2a + b
-    if OUT == tl.float16:
-        c0, c1, c2, c3 = _w32_to_f16x4(p, ASM)
-        x = tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_T, D)) - (1024.0 + BIAS)
-    else:
-        w0, w1, w2, w3 = p & 255, (p >> 8) & 255, (p >> 16) & 255, (p >> 24) & 255
-        c = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_T, D))
-        x = ((c | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)).to(OUT)
-    return x
-
-
-@triton.jit
-def _fp8_byte_f16(b, FMT: tl.constexpr):
-    """Bytes b (int32, 0..255) holding float8 bits -> fp16 of the same value, exactly (the generic path).
-    E5M2 is the top byte of an fp16 (the same exponent), so b << 8. E4M3 (bias 7, no Inf, 0x7F/0xFF NaN):
-    sign to bit 15, exponent and mantissa shifted into fp16's fields (b & 0x7F) << 7, which reads the
-    value divided by 2^8 (fp16's bias is 15), subnormals included; times 256 is exact."""
-    if FMT == 2:
-        return (b << 8).to(tl.int16).to(tl.float16, bitcast=True)
-    h = (((b & 0x80) << 8) | ((b & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True) * 256.0
-    return tl.where((b & 0x7F) == 0x7F, float("nan"), h)
-
-
-@triton.jit
-def _w32_fp8_to_f16x4(w, FMT: tl.constexpr, ASM: tl.constexpr):
-    """int32 words (any shape) of four float8 codes -> four fp16 tensors of that shape, byte k of each word
-    as the value of float8 code k, exactly. Compiled (ASM): E4M3 with two `cvt.rn.f16x2.e4m3x2` per word
-    (sm_89+: one instruction per two codes, NaN kept); E5M2 with two PRMTs (each code to the high byte of
-    an fp16, zeros below), no arithmetic at all. The interpreter takes `_fp8_byte_f16` (same values)."""
-    if ASM:
-        if FMT == 2:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b32 t0, t1; prmt.b32 t0, $4, 0, 0x1404; prmt.b32 t1, $4, 0, 0x3424; "
-                "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; }",
-                "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
-                pack=1)
-        else:
-            return tl.inline_asm_elementwise(
-                "{ .reg .b16 lo, hi; .reg .b32 t0, t1; mov.b32 {lo, hi}, $4; "
-                "cvt.rn.f16x2.e4m3x2 t0, lo; cvt.rn.f16x2.e4m3x2 t1, hi; "
-                "mov.b32 {$0, $1}, t0; mov.b32 {$2, $3}, t1; }",
-                "=h,=h,=h,=h,r", [w], dtype=(tl.float16, tl.float16, tl.float16, tl.float16), is_pure=True,
-                pack=1)
-    else:
-        return (_fp8_byte_f16(w & 255, FMT), _fp8_byte_f16((w >> 8) & 255, FMT),
-                _fp8_byte_f16((w >> 16) & 255, FMT), _fp8_byte_f16((w >> 24) & 255, FMT))
-
-
-@triton.jit
-def _fp8_w8(p, BLOCK_T: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, OUT: tl.constexpr,
-            ASM: tl.constexpr):
-    """int32 words (BLOCK_T, D // 4) of float8 codes (FMT 1: E4M3, 2: E5M2; byte k of word j = code
-    4j + k) -> (BLOCK_T, D) in OUT (fp16, or fp32 for bf16/fp32 math) holding the codes' values exactly."""
-    c0, c1, c2, c3 = _w32_fp8_to_f16x4(p, FMT, ASM)
-    # join(join(c0, c2), join(c1, c3))[.., j, a, b] = c_{2a+b} = code 4j + 2a + b
-    return tl.reshape(tl.join(tl.join(c0, c2), tl.join(c1, c3)), (BLOCK_T, D)).to(OUT)
-
-
-@triton.jit
-def _code_ints(c_ptr, row, valid, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """The packed codes of rows `row` (BLOCK_T,) of a code pool -> (BLOCK_T, D) uint32 codes (packing):
-    2 / 4 / 8 bits lowest bits first within a byte; 3 bits 8 codes per 24-bit little-endian unit of 3 bytes,
-    loaded as three (BLOCK_T, D // 8) byte tiles (a row of 3 D / 8 bytes is not a power of two wide).
-    (One return at the end: the compiler also walks the statements after a constexpr branch's return.)"""
-    if BITS == 3:
-        U: tl.constexpr = D // 8
-        base = row[:, None] * (3 * U) + 3 * tl.arange(0, U)[None, :]  # (BLOCK_T, U): first byte of each unit
-        w = tl.load(c_ptr + base, mask=valid[:, None], other=0).to(tl.uint32)
-        w = w | (tl.load(c_ptr + base + 1, mask=valid[:, None], other=0).to(tl.uint32) << 8)
-        w = w | (tl.load(c_ptr + base + 2, mask=valid[:, None], other=0).to(tl.uint32) << 16)
-        c0, c1, c2, c3 = w & 7, (w >> 3) & 7, (w >> 6) & 7, (w >> 9) & 7
-        c4, c5, c6, c7 = (w >> 12) & 7, (w >> 15) & 7, (w >> 18) & 7, w >> 21
-        # [.., u, x, y, z] = code 8u + 4x + 2y + z: the innermost join is x, the outermost z
-        c = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
-    else:
-        PER: tl.constexpr = 8 // BITS
-        COLS: tl.constexpr = D // PER
-        p = tl.load(c_ptr + row[:, None] * COLS + tl.arange(0, COLS)[None, :], mask=valid[:, None], other=0)
-        w = p.to(tl.uint32)
-        if BITS == 8:
-            c = w
-        elif BITS == 4:
-            c = tl.join(w & 15, w >> 4)  # [.., j, i] = code 2j + i
-        else:  # [.., j, a, c] = code 4j + 2a + c
-            c = tl.join(tl.join(w & 3, (w >> 4) & 3), tl.join((w >> 2) & 3, w >> 6))
-    return tl.reshape(c, (BLOCK_T, D))
 
 
 @triton.jit
@@ -289,7 +116,7 @@ def _load_body(
     H_KV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
     SYM: tl.constexpr, TE: tl.constexpr, CE: tl.constexpr, SHARED: tl.constexpr, IDX64: tl.constexpr,
     OUT: tl.constexpr, ASM: tl.constexpr, FMT: tl.constexpr, UNIT: tl.constexpr, LUT: tl.constexpr,
-    CENTER: tl.constexpr = 0, OUTK: tl.constexpr = 0,
+    CENTER: tl.constexpr = 0, OUTK: tl.constexpr = 0, ENG: tl.constexpr = 0,
 ):
     """Body tokens at pages pg (BLOCK_T,) int32, slots slot (BLOCK_T,) of KV head h ->
     (x (BLOCK_T, D) in OUT, s, z (BLOCK_T,) fp32).
@@ -316,13 +143,21 @@ def _load_body(
     OUTK > 0 (`-outP` around the codec): the token's OUTK exact values (ov_ptr, the K/V dtype) replace the
     dequantized values at their channels (oi_ptr); CENTER > 0 (`-centerN`): the offset row of each N
     tokens (o_ptr, (P * H * BS / N, D)) is added, loaded once per block when N divides it. Either one turns
-    the folding of a per-token scale off (x is then dequantized here)."""
+    the folding of a per-token scale off (x is then dequantized here).
+    FMT 3: signed 8-bit codes (vLLM's int8_per_token_head), read as int8's biased codes after flipping their
+    sign bits, times the scale as stored. ENG > 0: GGUF blocks (`kernels.engine_blocks`), dequantized here
+    in the kernel's channel order; s and z unused."""
     offs_d = tl.arange(0, D)
     row = (pg * H_KV + h) * BS + slot  # (BLOCK_T,) row of the (P * H * BS, cols) pool
     if IDX64:
         row = row.to(tl.int64)
     none = tl.zeros((BLOCK_T,), tl.float32)
-    if BITS == 16:
+    if ENG > 0:
+        x = engine_body(c_ptr, lv_ptr, tab[0], tab[1], tab[2], tab[3], tab[4], tab[5], tab[6], tab[7], row,
+                        valid, BLOCK_T, D, ENG, OUT, ASM)
+        s = none
+        z = none
+    elif BITS == 16:
         x = tl.load(c_ptr + row[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0).to(OUT)
         s = none
         z = none
@@ -355,7 +190,11 @@ def _load_body(
             COLS: tl.constexpr = D // PER // 4 if WORDS else D // PER
             offs_b = tl.arange(0, COLS)
             p = tl.load(c_ptr + row[:, None] * COLS + offs_b[None, :], mask=valid[:, None], other=0)
-            if FMT != 0 and WORDS:
+            if FMT == 3 and WORDS:  # signed bytes: flip the sign bits, then codes biased by 128
+                c = _codes_w8(p.to(tl.uint32, bitcast=True) ^ 0x80808080, BLOCK_T, D, BIAS, MATH, ASM)
+            elif FMT == 3:
+                c = _codes((p ^ 0x80).to(tl.uint8), BLOCK_T, D, BITS, BIAS, MATH, ASM)
+            elif FMT != 0 and WORDS:
                 c = _fp8_w8(p, BLOCK_T, D, FMT, MATH, ASM)  # (BLOCK_T, D): the float8 values
             elif FMT != 0:  # a pool not aligned to words: byte by byte
                 c = _fp8_byte_f16(p.to(tl.int32), FMT).to(MATH)
@@ -516,7 +355,7 @@ def _paged_split_kernel(
     K_BITS: tl.constexpr, K_SYM: tl.constexpr, K_TE: tl.constexpr, K_CE: tl.constexpr, K_SHARED: tl.constexpr,
     V_BITS: tl.constexpr, V_SYM: tl.constexpr, V_TE: tl.constexpr, V_CE: tl.constexpr, V_SHARED: tl.constexpr,
     K_FMT: tl.constexpr, K_UNIT: tl.constexpr, V_FMT: tl.constexpr, V_UNIT: tl.constexpr,
-    K_LUT: tl.constexpr, V_LUT: tl.constexpr,
+    K_LUT: tl.constexpr, V_LUT: tl.constexpr, K_ENG: tl.constexpr, V_ENG: tl.constexpr,
     K_CENTER: tl.constexpr, K_OUT: tl.constexpr, V_CENTER: tl.constexpr, V_OUT: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BODY: tl.constexpr, HAS_FP: tl.constexpr, DOT_FP32: tl.constexpr,
     BODY_STAGES: tl.constexpr, FP_STAGES: tl.constexpr, W: tl.constexpr,
@@ -539,8 +378,10 @@ def _paged_split_kernel(
     q = tl.broadcast_to(q[None, :, :], (W, G_PAD, D))
     none = tl.zeros((BLOCK_T,), tl.float32)
     # a per-token scale is folded, unless a transform needs the dequantized values (-center, -outP)
-    K_FOLD: tl.constexpr = K_BITS < 16 and K_TE == 1 and K_CE == D and not K_UNIT and K_CENTER + K_OUT == 0
-    V_FOLD: tl.constexpr = V_BITS < 16 and V_TE == 1 and V_CE == D and not V_UNIT and V_CENTER + V_OUT == 0
+    K_FOLD: tl.constexpr = (K_BITS < 16 and K_TE == 1 and K_CE == D and not K_UNIT and K_CENTER + K_OUT == 0
+                            and K_ENG == 0)
+    V_FOLD: tl.constexpr = (V_BITS < 16 and V_TE == 1 and V_CE == D and not V_UNIT and V_CENTER + V_OUT == 0
+                            and V_ENG == 0)
     m_i = tl.full((W, G_PAD), float("-inf"), tl.float32)
     l_i = tl.zeros((W, G_PAD), tl.float32)
     acc = tl.zeros((W, D, G_PAD), tl.float32)
@@ -550,11 +391,12 @@ def _paged_split_kernel(
             lo = split * BODY_CHUNK
             hi = tl.minimum(lo + BODY_CHUNK, T_BODY)
             tab_row = btab_ptr + b64 * s_btb
-            # a codebook's PRMT planes, once per program (compiled, fp16/bf16, codes read as words)
+            # a codebook's PRMT planes, once per program (compiled, fp16/bf16, codes read as words; a GGUF
+            # block's codes are words either way)
             ktab = lut_tables(kl_ptr, K_BITS, K_LUT and ASM and cdt != tl.float32
-                              and kc_ptr.dtype.element_ty == tl.int32)
+                              and (kc_ptr.dtype.element_ty == tl.int32 or K_ENG > 0))
             vtab = lut_tables(vl_ptr, V_BITS, V_LUT and ASM and cdt != tl.float32
-                              and vc_ptr.dtype.element_ty == tl.int32)
+                              and (vc_ptr.dtype.element_ty == tl.int32 or V_ENG > 0))
             for t0 in tl.range(lo, hi, BLOCK_T, num_stages=BODY_STAGES):
                 r = t0 + offs_t
                 valid = r < hi
@@ -566,11 +408,11 @@ def _paged_split_kernel(
                 k, ks, kz = _load_body(kc_ptr, ks_ptr, kz_ptr, kl_ptr, ko_ptr, kov_ptr, koi_ptr, ktab, pg,
                                        slot, h, valid, tab_row, s_btn, t0, hi, B_OFF, H_KV, D, BLOCK_T, BS,
                                        K_BITS, K_SYM, K_TE, K_CE, K_SHARED, IDX64, cdt, ASM, K_FMT, K_UNIT,
-                                       K_LUT, K_CENTER, K_OUT)
+                                       K_LUT, K_CENTER, K_OUT, K_ENG)
                 v, vs, vz = _load_body(vc_ptr, vs_ptr, vz_ptr, vl_ptr, vo_ptr, vov_ptr, voi_ptr, vtab, pg,
                                        slot, h, valid, tab_row, s_btn, t0, hi, B_OFF, H_KV, D, BLOCK_T, BS,
                                        V_BITS, V_SYM, V_TE, V_CE, V_SHARED, IDX64, cdt, ASM, V_FMT, V_UNIT,
-                                       V_LUT, V_CENTER, V_OUT)
+                                       V_LUT, V_CENTER, V_OUT, V_ENG)
                 m_i, l_i, acc = _attend(q, qsum, k, ks, kz, v, vs, vz, valid, m_i, l_i, acc, qk_scale,
                                         K_FOLD, K_SYM, V_FOLD, V_SYM, W, DOT_FP32)
     else:
@@ -725,17 +567,20 @@ def _body_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: in
 
 def _base_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: int, bs: int, like,
                registry=None):
-    """(codes, scale, zero, levels) pools and (BITS, SYM, TE, CE, SHARED, FMT, UNIT, LUT) of one body's base
-    codec; dummies when absent. FMT: 0 integer codes, 1 / 2 float8 E4M3 / E5M2 (an `FP8KernelLayout`);
-    UNIT: FP8 without a scale; LUT: codebook codes (`CodebookKernelLayout`), levels their table
-    (`kernels.codebook.table_for`)."""
+    """(codes, scale, zero, levels) pools and (BITS, SYM, TE, CE, SHARED, FMT, UNIT, LUT, ENG) of one body's
+    base codec; dummies when absent. FMT: 0 integer codes, 1 / 2 float8 E4M3 / E5M2 (an `FP8KernelLayout`),
+    3 signed int8 codes with the scale as stored (`SignedInt8KernelLayout`); UNIT: FP8 without a scale; LUT:
+    codebook codes (`CodebookKernelLayout`), levels their table (`kernels.codebook.table_for`); ENG: a GGUF
+    block format's id (`_engine_args`)."""
     if codec is None:
-        return (like, like, like, like), (16, False, 1, d, False, 0, False, False)
+        return (like, like, like, like), (16, False, 1, d, False, 0, False, False, 0)
     lay = decode_layout(codec)
+    if isinstance(lay, EngineKernelLayout):
+        return _engine_args(lay, pages, h_kv, d, bs, like, registry)
     if lay.bits == 16:
         vals = pages["values"]
         _check_pool("values", vals, (h_kv, bs, d), like)
-        return (vals, vals, vals, vals), (16, False, 1, d, False, 0, False, False)
+        return (vals, vals, vals, vals), (16, False, 1, d, False, 0, False, False, 0)
     if getattr(lay, "codebook", False):
         codes, scale = pages["codes"], pages["scale"]
         zero = scale if lay.symmetric else pages["zero"]
@@ -750,7 +595,7 @@ def _base_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: in
         if words_ok(lay.bits, d) and codes.storage_offset() % 4 == 0:
             codes = codes.view(torch.int32)  # read as words (kernels.codebook)
         return (codes, scale, zero, levels), (lay.bits, lay.symmetric, lay.token_extent, lay.channel_extent,
-                                              shared, 0, False, True)
+                                              shared, 0, False, True, 0)
     fp8 = getattr(lay, "fp8", None)
     fmt, unit = (_FP8_FORMATS[fp8], bool(lay.unit_scale)) if fp8 is not None else (0, False)
     if unit:
@@ -760,9 +605,13 @@ def _base_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: in
         _check_pool("codes", codes, (h_kv, bs, d), like)
         if codes.storage_offset() % 4 == 0:
             codes = codes.view(torch.int32)
-        return (codes, codes, codes, codes), (8, True, 1, d, False, fmt, True, False)
+        return (codes, codes, codes, codes), (8, True, 1, d, False, fmt, True, False, 0)
     codes, scale = pages["codes"], pages["scale"]
     zero = pages.get("zero", scale) if not lay.symmetric else scale
+    if isinstance(lay, SignedInt8KernelLayout):
+        if codes.dtype != torch.int8:
+            raise TypeError(f"decode_attention: signed codes must be int8, got {codes.dtype}")
+        codes, fmt = codes.view(torch.uint8), 3
     if codes.dtype != torch.uint8:
         raise TypeError(f"decode_attention: packed codes must be uint8, got {codes.dtype}")
     _check_pool("codes", codes, (h_kv, bs, d * lay.bits // 8), like)
@@ -772,7 +621,22 @@ def _base_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: in
     for name, t in (("scale", scale), ("zero", zero)):
         _check_pool(name, t, (1 if shared else h_kv, bs // lay.token_extent, d // lay.channel_extent), like)
     return (codes, scale, zero, codes), (lay.bits, lay.symmetric, lay.token_extent, lay.channel_extent,
-                                         shared, fmt, False, False)
+                                         shared, fmt, False, False, 0)
+
+
+def _engine_args(lay: EngineKernelLayout, pages, h_kv: int, d: int, bs: int, like, registry):
+    """A GGUF block body (`kernels.engine_blocks`): the `blocks` pool, viewed as int32 words when its rows
+    are whole words, and the format's table of 16 values (4-bit table formats; else the pool again)."""
+    blocks = pages["blocks"]
+    if blocks.dtype != torch.uint8:
+        raise TypeError(f"decode_attention: GGUF blocks must be uint8, got {blocks.dtype}")
+    row = d // lay.block * lay.type_size
+    _check_pool("blocks", blocks, (h_kv, bs, row), like)
+    if row % 4 == 0 and blocks.storage_offset() % 4 == 0:
+        blocks = blocks.view(torch.int32)
+    levels = engine_levels(lay, like.device, registry, like.dtype) if lay.lut else blocks
+    return (blocks, blocks, blocks, levels), (lay.bits, True, 1, lay.block, False, 0, False, lay.lut,
+                                              lay.kernel_id)
 
 
 def _check_pool(name: str, t: torch.Tensor, tail: tuple[int, ...], like: torch.Tensor) -> None:
@@ -831,7 +695,7 @@ class _Splits:
 
 
 # the per-codec constants `_body_args` returns, in its order; the split kernel takes them as K_* and V_*
-_CODEC_CONSTS = ("BITS", "SYM", "TE", "CE", "SHARED", "FMT", "UNIT", "LUT", "CENTER", "OUT")
+_CODEC_CONSTS = ("BITS", "SYM", "TE", "CE", "SHARED", "FMT", "UNIT", "LUT", "ENG", "CENTER", "OUT")
 
 
 def _check_query(query: torch.Tensor) -> tuple[int, int, int]:
@@ -1030,13 +894,26 @@ def _probe(spec: _ProbeSpec, device, registry) -> str | None:
         mask[:, 0] = True
         mask = mask.to(device)
     args = layer.decode_args()
-    out = _launch(q, *args, None, mask, 2, spec.num_warps, spec.body_stages, spec.fp_stages, registry,
-                  idx64=spec.idx64)
+    out = _probe_launch(q, layer, mask, spec, device, registry)
     if out is None:
         return None
     ref32 = decode_attention_ref(q, *args, None, mask, upcast=True)
     ref = decode_attention_ref(q, *args, None, mask)
     return _compare(out, ref, ref32, PROBE_ATOL[spec.dtype])
+
+
+def _probe_launch(q, layer, mask, spec: _ProbeSpec, device, registry) -> torch.Tensor | None:
+    """The probe's call of the variant: the launcher, in the frames of its codecs (a GGUF block codec reads
+    in the kernel's channel order, and llama.cpp's rotation when it has one), as `decode_attention` does."""
+    kf = vf = None
+    sink, recent, fp_k, fp_v = layer.sink, layer.recent, layer.fp_k, layer.fp_v
+    if spec.has_body:
+        kf, vf = _frames(layer.key_codec, layer.value_codec, device, registry)
+        q, fp_k, fp_v, sink, recent = _into_frames(q, fp_k, fp_v, sink, recent, kf, vf)
+    out = _launch(q, fp_k, fp_v, layer.key_pages, layer.value_pages, layer.key_codec, layer.value_codec, sink,
+                  layer.body, recent, None, mask, 2, spec.num_warps, spec.body_stages, spec.fp_stages,
+                  registry, idx64=spec.idx64)
+    return out if out is None or vf is None else vf.out_of(out)
 
 
 def _compare(out: torch.Tensor, ref: torch.Tensor, ref32: torch.Tensor, atol: float) -> str | None:
@@ -1100,19 +977,34 @@ def decode_attention(
     A rotated codec (`-rot` around a codec with a kernel layout) is served in its rotated frame (see the
     module docstring).
     """
+    registry = registry or default_registry()
     kf = vf = None
     if _length(body):
-        kf, vf = (decode_frame(c, query.device) for c in (key_codec, value_codec))
-        for codec, frame in ((key_codec, kf), (value_codec, vf)):
-            if frame is None:
-                raise ValueError(f"decode_attention: no kernel reads the codec {codec}")
+        kf, vf = _frames(key_codec, value_codec, query.device, registry)
         key_codec, value_codec = kf.codec, vf.codec
-        if kf.signs is not None or vf.signs is not None:
-            query = kf.into(query)  # (B, H_q, 1, D): (R_k q).(R_k k) = q.k
-            fp_k, fp_v, sink, recent = _rotated_fp(fp_k, fp_v, sink, recent, kf, vf)
+        query, fp_k, fp_v, sink, recent = _into_frames(query, fp_k, fp_v, sink, recent, kf, vf)
     out = _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, sink, body, recent,
                   scaling, key_mask, num_splits, num_warps, body_stages, fp_stages, registry)
-    return out if out is None or vf is None else vf.out_of(out)  # (B, 1, H_q, D): R_v^T sum_j p_j (R_v v_j)
+    return out if out is None or vf is None else vf.out_of(out)  # (B, 1, H_q, D): T_v^T sum_j p_j (T_v v_j)
+
+
+def _frames(key_codec, value_codec, device, registry) -> tuple[KernelFrame, KernelFrame]:
+    """The frames the kernel reads the body codecs in (`kernels.layouts.decode_frame`); ValueError for a
+    codec no kernel reads."""
+    frames = tuple(decode_frame(c, device, registry) for c in (key_codec, value_codec))
+    for codec, frame in zip((key_codec, value_codec), frames, strict=True):
+        if frame is None:
+            raise ValueError(f"decode_attention: no kernel reads the codec {codec}")
+    return frames
+
+
+def _into_frames(query, fp_k, fp_v, sink, recent, kf: KernelFrame, vf: KernelFrame):
+    """The query in the keys' frame and the FP sink and window tokens in their frames, so that the whole
+    softmax runs in one frame: (T_k q).(T_k k) = q.k. Unchanged when both frames are the identity."""
+    if kf.identity and vf.identity:
+        return query, fp_k, fp_v, sink, recent
+    query = kf.into(query)  # (B, H_q, 1, D)
+    return (query, *_rotated_fp(fp_k, fp_v, sink, recent, kf, vf))
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,14 @@
     a codec with a kernel layout   its `kernel_layout()`            as it is (affine INT, FP8, dense)
     codebook (`nuq2/3/4`)          `CodebookKernelLayout`            the levels looked up per code
     `-rot` around either           the inner codec, rotated frame   `RotationCodec.read_frame`
+    `-crot` around either          the inner codec, frame x M       `KernelFrame(matrix=M)`
     `-center` / `-outP` around     the inner codec's fields, plus   `decode_parts`: the offset added back,
       either (no `-rot` between)   offset / out_values, out_index   the outliers written at their indices
+    GGUF blocks (`llama.cpp:*`,    `EngineKernelLayout`: the        llama.cpp's rotation (`hadamard`) and
+      `mxfp4`, `nvfp4`)            `blocks` bytes in place          the kernel's channel order (`order`)
+    vLLM `fp8_per_token_head`,     `FP8KernelLayout` / `SignedInt8KernelLayout`: codes + a per-(token,
+      `int8_per_token_head`,       head) scale as stored; `fp8_e4m3` / `fp8_e5m2` at the default scale
+      `fp8_e4m3/e5m2` (scale 1)    1.0: FP8 codes, no scale
     anything else                  None: the reference path
 
 Codebook codecs (`kvquant.codecs.base.CodebookCodec`) declare no kernel layout of their own, but store exactly
@@ -21,11 +27,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvquant.codecs.base import CodebookCodec, KernelLayout
+from kvquant.codecs.calibrot import CalibRotationCodec
+from kvquant.codecs.engine import IQ4_NL_VALUES, MXFP4_VALUES, EngineCodec
+from kvquant.codecs.engine_vllm import VLLMCodec
+from kvquant.codecs.fp8 import FP8KernelLayout
 from kvquant.codecs.transforms import CenterCodec, KernelFrame, OutlierCodec, RotationCodec, kernel_frame
 
-__all__ = ["CodebookKernelLayout", "DecodeParts", "decode_layout", "decode_frame", "decode_parts",
-           "device_levels", "describe_unserved"]
+__all__ = ["CodebookKernelLayout", "DecodeParts", "ENGINE_KERNEL_FORMATS", "EngineKernelLayout",
+           "SignedInt8KernelLayout", "decode_layout", "decode_frame", "decode_parts", "device_levels",
+           "describe_unserved", "engine_levels", "engine_order"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +47,88 @@ class CodebookKernelLayout(KernelLayout):
     symmetric: no zero field, scale = absmax), codes looked up in a table of 2^bits levels."""
 
     codebook: bool = True
+
+
+@dataclass(frozen=True)
+class SignedInt8KernelLayout(KernelLayout):
+    """8-bit two's-complement codes (vLLM's `int8_per_token_head`) times a scale stored as the step itself
+    (not an absmax to divide by qmax): the kernel flips the sign bits and reads them as int8's biased
+    codes."""
+
+    signed: bool = True
+
+
+@dataclass(frozen=True)
+class EngineKernelLayout(KernelLayout):
+    """A GGUF block format (`kvquant.codecs.engine`) as the decode kernel reads it (`kernels.engine_blocks`):
+    each (token, head) row of the uint8 field `blocks` is D / block blocks of type_size bytes, header bytes
+    first, then code_bytes of codes; the kernel's id for the format; lut: 4-bit codes looked up in the
+    format's 16 values (`engine_levels`). Values come out in `engine_order`'s channel order."""
+
+    engine: str = "q8_0"
+    kernel_id: int = 1
+    block: int = 32
+    type_size: int = 34
+    header: int = 2
+    code_bytes: int = 32
+    lut: bool = False
+
+
+# format: (kernel id, block, type_size, header bytes, code bytes, 16-value table or None); the kernel's own
+# copy of these constants is in kernels/engine_blocks.py (tests check one against the other, and both
+# against kvquant.codecs.engine.BLOCK_TYPES)
+ENGINE_KERNEL_FORMATS: dict[str, tuple] = {
+    "q8_0": (1, 32, 34, 2, 32, None),
+    "q4_0": (2, 32, 18, 2, 16, tuple(range(-8, 8))),
+    "q4_1": (3, 32, 20, 4, 16, tuple(range(16))),
+    "q5_0": (4, 32, 22, 6, 16, None),
+    "q5_1": (5, 32, 24, 8, 16, None),
+    "iq4_nl": (6, 32, 18, 2, 16, IQ4_NL_VALUES),
+    "mxfp4": (7, 32, 17, 1, 16, MXFP4_VALUES),
+    "nvfp4": (8, 64, 36, 4, 32, MXFP4_VALUES),
+}
+
+
+def engine_layout(codec: EngineCodec) -> EngineKernelLayout:
+    key = codec.block_type.name.lower()
+    kid, block, size, header, nq, table = ENGINE_KERNEL_FORMATS[key]
+    return EngineKernelLayout(bits=8 if nq == block else 4, symmetric=True, channel_extent=block, engine=key,
+                              kernel_id=kid, block=block, type_size=size, header=header, code_bytes=nq,
+                              lut=table is not None)
+
+
+def engine_order(lay: EngineKernelLayout, d: int) -> list[int]:
+    """The element (0..D-1, in the frame the blocks store) that the kernel's channel p decodes, for each p:
+    block b's channels [b * block, (b + 1) * block) hold its elements, its code bytes rotated by
+    r = (b * type_size + header) % 4 (kernel byte j = code byte (j - r) mod code_bytes; the kernel reads an
+    unaligned block from the word before its codes), then in the word helpers' order: 8-bit, one
+    byte per element; 4-bit, byte j's low nibble then its high nibble, which ggml's 32-blocks give elements
+    j and j + 16 and nvfp4's 16-sub-blocks (8 bytes each) elements j and j + 8."""
+    nq, out = lay.code_bytes, []
+    for b in range(d // lay.block):
+        r = (b * lay.type_size + lay.header) % 4
+        for p in range(lay.block):
+            if nq == lay.block:  # a byte per element
+                e = (p - r) % nq
+            else:
+                cb = (p // 2 - r) % nq
+                e = 16 * (cb // 8) + cb % 8 + 8 * (p % 2) if lay.block == 64 else cb + 16 * (p % 2)
+            out.append(b * lay.block + e)
+    return out
+
+
+def _vllm_layout(codec: VLLMCodec) -> KernelLayout | None:
+    """vLLM's per-(token, head) formats, and the per-tensor FP8 ones at the default scale 1.0 (a bound
+    k_scale / v_scale other than 1 takes the reference path)."""
+    fmt, d = codec.format, codec.head_dim
+    if fmt.per_token_head and fmt.fp8 is None:
+        return SignedInt8KernelLayout(bits=8, symmetric=True, channel_extent=d)
+    kind = "e4m3" if fmt.fp8 == torch.float8_e4m3fn else "e5m2"
+    if fmt.per_token_head:
+        return FP8KernelLayout(bits=8, symmetric=True, channel_extent=d, fp8=kind)
+    if codec.scale == 1.0:
+        return FP8KernelLayout(bits=8, symmetric=True, channel_extent=d, fp8=kind, unit_scale=True)
+    return None
 
 
 @dataclass(frozen=True)
@@ -71,6 +166,10 @@ def decode_layout(codec) -> KernelLayout | None:
     lay = codec.kernel_layout()
     if lay is not None:
         return lay
+    if isinstance(codec, EngineCodec):
+        return engine_layout(codec)
+    if isinstance(codec, VLLMCodec):
+        return _vllm_layout(codec)
     if isinstance(codec, CodebookCodec) and codec.levels is not None:
         e = codec.extent
         return CodebookKernelLayout(
@@ -80,26 +179,47 @@ def decode_layout(codec) -> KernelLayout | None:
     return None
 
 
-def decode_frame(codec, device) -> KernelFrame | None:
-    """The codec the decode kernel reads and the rotation of its frame (`KernelFrame`), or None (reference).
-    `kvquant.codecs.transforms.kernel_frame` for the codecs with a kernel layout, plus codebook codecs and
-    `-rot` around one (served in the rotated frame, as around an affine codec)."""
+def decode_frame(codec, device, registry=None) -> KernelFrame | None:
+    """The codec the decode kernel reads and the transform of its frame (`KernelFrame`), or None (reference).
+    `kvquant.codecs.transforms.kernel_frame` for the codecs with a kernel layout, plus codebook, GGUF block
+    (llama.cpp's rotation when the codec has it, and the kernel's channel order) and vLLM codecs, and `-rot`
+    / `-crot` around one of these (served in the rotated frame). registry: where the device copies of an
+    order are kept (the cache's `KernelRegistry`), so a decode step makes none."""
     frame = kernel_frame(codec, device)
     if frame is not None:
         return frame
-    if decode_layout(codec) is not None:
+    lay = decode_layout(codec)
+    if isinstance(lay, EngineKernelLayout):
+        order = _device_constant(registry, ("engine_order", lay.engine, codec.head_dim), device,
+                                 lambda: torch.tensor(engine_order(lay, codec.head_dim), dtype=torch.long))
+        return KernelFrame(codec, hadamard=codec.rotation or 0, order=order)
+    if lay is not None:
         return KernelFrame(codec)
     if isinstance(codec, RotationCodec) and decode_layout(codec.inner) is not None:
         return codec.read_frame(device)
+    if isinstance(codec, CalibRotationCodec) and codec.matrix is not None:
+        inner = decode_frame(codec.inner, device, registry)
+        if inner is not None and inner.identity:
+            return KernelFrame(inner.codec, matrix=codec.matrix_on(device))
     return None
+
+
+def _device_constant(registry, key: tuple, device, make):
+    """A small constant tensor on `device`, made once per registry (`KernelRegistry.constants`)."""
+    store = getattr(registry, "constants", None)
+    key = (*key, str(device))
+    if store is not None and key in store:
+        return store[key][1]
+    t = make().to(device)
+    if store is not None:
+        store[key] = (None, t)
+    return t
 
 
 def device_levels(codec, device, registry=None, dtype=None):
     """The kernel's table of `codec`'s levels on `device` for attention in `dtype`
     (`kvquant.kernels.codebook.table_for`), made once per (codec, device, dtype): kept on the registry (one
     per cache) when it can hold them, so a decode step never copies from the host."""
-    import torch
-
     from .codebook import table_for
 
     dtype = dtype or torch.float16
@@ -113,6 +233,17 @@ def device_levels(codec, device, registry=None, dtype=None):
     if store is not None:
         store[key] = (codec.levels, table)
     return table
+
+
+def engine_levels(lay: EngineKernelLayout, device, registry=None, dtype=None):
+    """The kernel's table of a GGUF format's 16 values (`kvquant.kernels.codebook.table_for`: fp16 bits, or
+    fp32 for fp32 attention), made once per registry, device and dtype."""
+    from .codebook import table_for
+
+    dtype = dtype or torch.float16
+    values = ENGINE_KERNEL_FORMATS[lay.engine][5]
+    return _device_constant(registry, ("engine_levels", lay.engine, dtype), device,
+                            lambda: table_for(torch.tensor(values, dtype=torch.float32), dtype, "cpu"))
 
 
 def describe_unserved(codec, device) -> str | None:

@@ -27,9 +27,10 @@ Adam on W for `steps` steps; the M with the lowest calibration loss seen is kept
 than the Hadamard start on the calibration text). A `nuqN-crot` spec first fits its codebook on the
 Hadamard-rotated values, fits M against it, then refits the codebook on the values rotated by M.
 
-Kernels: none serve `-crot` yet (the reference path). A kernel would do what `-rot`'s does (score in the
-rotated frame: q M once per step, the output times M^T once) with a dense (D, D) matmul instead of the
-Walsh-Hadamard butterflies: D^2 multiply-adds per query head per step, nothing per stored token.
+Kernels: the decode kernel serves `-crot` around any codec it reads as `-rot` (`kvquant.kernels.layouts.
+decode_frame`): it scores in the rotated frame (q M once per step, the sink and window tokens' copies times M,
+the output times M^T once) with a dense (D, D) matmul instead of the Walsh-Hadamard butterflies: D^2
+multiply-adds per query head per step, nothing per stored token. Appends take this codec's `encode`.
 """
 
 from __future__ import annotations
@@ -97,6 +98,11 @@ class CalibRotationCodec(_Wrapper):
         if device not in self._device_matrix:  # copied once, not per step
             self._device_matrix[device] = self.matrix.to(device)
         return self._device_matrix[device]
+
+    def matrix_on(self, device: torch.device) -> torch.Tensor:
+        """M (D, D) fp32 on `device`, copied once (the decode kernel's frame: the query times M once per
+        step, the output times M^T; `kvquant.kernels.layouts.decode_frame`)."""
+        return self._m(device)
 
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.inner.encode((x.float() @ self._m(x.device)).to(self.dtype))

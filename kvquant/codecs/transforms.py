@@ -200,22 +200,61 @@ class RotationCodec(_Wrapper):
         return unrotate(self.inner.decode(fields, torch.float32), self.signs).to(dtype or self.dtype)
 
 
-@dataclass(frozen=True, eq=False)  # eq would compare the signs tensors
+@dataclass(frozen=True, eq=False)  # eq would compare the tensors
 class KernelFrame:
-    """How the Triton kernels serve a codec: they read the fields of `codec` (kernel_layout() not None) as
-    stored, which hold R x (R = H diag(signs), signs (D,) fp32 on the device) when signs is not None."""
+    """How the Triton kernels serve a codec: they read the fields of `codec` (a kernel layout, or one that
+    `kvquant.kernels.layouts.decode_layout` knows) as stored, which hold T x for an orthogonal T; attention
+    scores T q against them and maps the output back by T^T. T is the identity when every part is None / 0;
+    else, applied in this order:
+
+        signs      (D,) +-1 fp32   R x = H diag(signs) x     `-rot` (fwht over `rotation_block(D)`)
+        matrix     (D, D) fp32     x M                        `-crot` (a dense calibrated rotation)
+        hadamard   n               x H_n in blocks of n       llama.cpp's attention rotation (fwht, n | D)
+        order      (D,) int64      x[..., order]              the channel order a kernel decodes blocks in
+                                                              (a permutation: kernels.layouts.engine_order)
+
+    Tensors live on the device of the call. `into` / `out_of` compute in fp32."""
 
     codec: Codec
     signs: torch.Tensor | None = None
+    matrix: torch.Tensor | None = None
+    hadamard: int = 0
+    order: torch.Tensor | None = None
+
+    @property
+    def identity(self) -> bool:
+        return self.signs is None and self.matrix is None and not self.hadamard and self.order is None
 
     def into(self, x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """(..., D) -> R x in dtype (default x's), computed in fp32 as `RotationCodec.encode` does; x itself
-        when the frame is not rotated."""
-        return x if self.signs is None else rotate(x.float(), self.signs).to(dtype or x.dtype)
+        """(..., D) -> T x in dtype (default x's), computed in fp32 (`-rot`: as `RotationCodec.encode`
+        does); x itself when the frame is the identity."""
+        if self.identity:
+            return x
+        y = x.float()
+        if self.signs is not None:
+            y = rotate(y, self.signs)
+        if self.matrix is not None:
+            y = y @ self.matrix
+        if self.hadamard:
+            y = fwht(y, self.hadamard)
+        if self.order is not None:
+            y = y[..., self.order]
+        return y.to(dtype or x.dtype)
 
     def out_of(self, y: torch.Tensor) -> torch.Tensor:
-        """(..., D) -> R^T y in y's dtype (fp32 arithmetic); y itself when the frame is not rotated."""
-        return y if self.signs is None else unrotate(y.float(), self.signs).to(y.dtype)
+        """(..., D) -> T^T y in y's dtype (fp32 arithmetic); y itself when the frame is the identity."""
+        if self.identity:
+            return y
+        x = y.float()
+        if self.order is not None:
+            x = torch.empty_like(x).index_copy_(-1, self.order, x)  # x[..., order[i]] = y[..., i]
+        if self.hadamard:
+            x = fwht(x, self.hadamard)  # symmetric and its own inverse
+        if self.matrix is not None:
+            x = x @ self.matrix.T
+        if self.signs is not None:
+            x = unrotate(x, self.signs)
+        return x.to(y.dtype)
 
 
 def kernel_frame(codec: Codec, device: torch.device) -> KernelFrame | None:
