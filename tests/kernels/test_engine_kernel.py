@@ -38,7 +38,7 @@ NAMES = {f: (f if f in ("mxfp4", "nvfp4") else f"llama.cpp:{f}") for f in FORMAT
 
 
 def test_the_kernel_formats_are_the_codecs_blocks():
-    for name, (kid, block, size, header, nq, table) in ENGINE_KERNEL_FORMATS.items():
+    for name, (_kid, block, size, header, nq, table) in ENGINE_KERNEL_FORMATS.items():
         bt = BLOCK_TYPES[name]
         assert (bt.block, bt.type_size) == (block, size), name
         assert header + nq == size and nq * 8 // block in (4, 8), name
