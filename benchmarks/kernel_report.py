@@ -13,6 +13,7 @@ against the H200's ~18.4 B/clock/SM of HBM (4.8 TB/s), in %.
     python benchmarks/kernel_report.py --subset ci    # the few variants the CI test compiles
     python benchmarks/kernel_report.py --subset fp8   # FP8 next to int8 and int4-g64 (D=128, fp16 + bf16)
     python benchmarks/kernel_report.py --subset codebook   # nuq2/3/4, -center, -outP next to int8, int4-g64
+    python benchmarks/kernel_report.py --subset engine     # GGUF blocks, vLLM per-token-head formats, same
     python benchmarks/kernel_report.py --measure      # + each variant run against its fp32 twin
     python benchmarks/kernel_report.py --subset ci --measure --body 128   # the same on a CPU, interpreted
 
@@ -71,10 +72,25 @@ SCHEMES = {  # report name: (K spec, V spec)
     "int4-g64-kcenter": ("int4-g64-center", "int4-g64"),
     "int4-g64-out1": ("int4-g64-out1", "int4-g64-out1"),  # 2 outliers per (token, head) at D=128
     "nuq3-g64-kcenter": ("nuq3-g64-center", "nuq3-g64"),
+    # GGUF blocks read in place (kernels.engine_blocks; llama.cpp's rotation and the channel order are applied
+    # outside the kernel, so the rotated and -norot names compile to the same kernel)
+    "q8_0": ("llama.cpp:q8_0", "llama.cpp:q8_0"),
+    "q4_0": ("llama.cpp:q4_0", "llama.cpp:q4_0"),
+    "q4_1": ("llama.cpp:q4_1", "llama.cpp:q4_1"),
+    "q5_0": ("llama.cpp:q5_0", "llama.cpp:q5_0"),
+    "q5_1": ("llama.cpp:q5_1", "llama.cpp:q5_1"),
+    "iq4_nl": ("llama.cpp:iq4_nl", "llama.cpp:iq4_nl"),
+    "mxfp4": ("mxfp4", "mxfp4"),
+    "nvfp4": ("nvfp4", "nvfp4"),
+    # vLLM's per-(token, head) formats (fp8_e4m3 at scale 1 compiles to fp8-e4m3-tensor's kernel)
+    "vllm-int8-pth": ("vllm:int8_per_token_head", "vllm:int8_per_token_head"),
+    "vllm-fp8-pth": ("vllm:fp8_per_token_head", "vllm:fp8_per_token_head"),
 }
 # the codebook, -center and -outP variants (`--subset codebook`)
 CODEBOOK = ("nuq4-g64", "nuq3-g64", "nuq2-g64", "nuq3", "nuq3-sym-head", "kvquant-3b", "int4-g64-kcenter",
             "int4-g64-out1", "nuq3-g64-kcenter")
+# the GGUF block and vLLM variants (`--subset engine`)
+ENGINE = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4", "nvfp4", "vllm-int8-pth", "vllm-fp8-pth")
 LAYOUT = (32, 8)  # H_q, H_kv (Llama-3-8B); head_dim varies
 
 
@@ -100,14 +116,16 @@ def variants(subset: str) -> list[Variant]:
     if subset == "codebook":  # codebook, -center, -outP next to int8 and int4-g64 (D=128, fp16 + bf16)
         return [Variant(s, False, 128, dt) for dt in ("fp16", "bf16")
                 for s in ("int8", "int4-g64", *CODEBOOK)]
+    if subset == "engine":  # GGUF blocks and vLLM formats next to int8 and int4-g64 (D=128, fp16 + bf16)
+        return [Variant(s, False, 128, dt) for dt in ("fp16", "bf16") for s in ("int8", "int4-g64", *ENGINE)]
     if subset == "fp8":
         return [Variant(s, False, 128, dt) for dt in ("fp16", "bf16")
                 for s in ("int8", "int4-g64", "fp8-e4m3", "fp8-e5m2", "fp8-e4m3-tensor")]
     dims = (128,) if subset == "quick" else (64, 128, 256)
     dtypes = ("fp16",) if subset == "quick" else ("fp16", "bf16")
-    # --quick (and gpu_check's subset) compiles the codebook, -center and -outP variants without sink+window
-    # only: the FP loop is the same code for every body codec, and the GPU check has 8 minutes
-    fps = lambda s: (False,) if subset == "quick" and s in CODEBOOK else (False, True)  # noqa: E731
+    # --quick (and gpu_check's subset) compiles the codebook, -center, -outP, GGUF and vLLM variants without
+    # sink+window only: the FP loop is the same code for every body codec, and the GPU check has 8 minutes
+    fps = lambda s: (False,) if subset == "quick" and s in CODEBOOK + ENGINE else (False, True)  # noqa: E731
     return [Variant(s, fp, d, dt) for d in dims for dt in dtypes for s in SCHEMES for fp in fps(s)]
 
 
@@ -328,7 +346,8 @@ def print_row(r: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="D=128 fp16 variants only")
-    p.add_argument("--subset", choices=["all", "quick", "ci", "fp8", "codebook", "gpu"], default=None)
+    p.add_argument("--subset", default=None,
+                   choices=["all", "quick", "ci", "fp8", "codebook", "engine", "gpu"])
     p.add_argument("--csv", type=Path, default=None)
     p.add_argument("--md", type=Path, default=None, help="markdown table (default: the CSV's name, .md)")
     p.add_argument("--measure", action="store_true",

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["table_for", "LUT4_ASM", "LUT3_ASM", "LUT2_ASM", "words_ok"]
+__all__ = ["table_for", "LUT4_ASM", "LUT3_ASM", "LUT2_ASM", "lut4", "words_ok"]
 
 
 def table_for(levels: torch.Tensor, dtype: torch.dtype, device) -> torch.Tensor:
@@ -157,8 +157,10 @@ def _join4(c0, c1, c2, c3):
 def _level(lv_ptr, c, F32: tl.constexpr):
     """The level of codes c (uint32, any shape) from the table: fp16 (bits stored as int16), or fp32."""
     if F32:
-        return tl.load(lv_ptr + c)
-    return tl.load(lv_ptr + c).to(tl.float16, bitcast=True)
+        x = tl.load(lv_ptr + c)
+    else:  # (one return at the end: compiled, statements after a constexpr branch's return are walked too)
+        x = tl.load(lv_ptr + c).to(tl.float16, bitcast=True)
+    return x
 
 
 @triton.jit
@@ -198,6 +200,19 @@ def _unit3(u, lv_ptr, t0, t1, t2, t3, F32: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
+def lut4(w, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, F32: tl.constexpr, ASM: tl.constexpr):
+    """int32 words (any shape) of eight 4-bit codes -> their eight levels (tensors of w's shape), code i at
+    bits 4i: the PRMT lookup in registers when compiled (t0..t7: `lut_tables`), else a load per code."""
+    if ASM:
+        out = tl.inline_asm_elementwise(_LUT4, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r",
+                                        [w, t0, t1, t2, t3, t4, t5, t6, t7], dtype=_F16X8, is_pure=True,
+                                        pack=1)
+    else:
+        out = _lut4_generic(w, lv_ptr, F32)
+    return out
+
+
+@triton.jit
 def lut_words(p, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, BLOCK_T: tl.constexpr, D: tl.constexpr,
               BITS: tl.constexpr, F32: tl.constexpr, ASM: tl.constexpr):
     """Codebook codes read as int32 words -> (BLOCK_T, D) levels (fp16, or fp32 when F32), channel order.
@@ -205,12 +220,7 @@ def lut_words(p, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, BLOCK_T: tl.constexpr, 
     p: (BLOCK_T, D * BITS // 32) words for 2 and 4 bits; for 3 bits a tuple of the three (BLOCK_T, D // 32)
     tiles of words 3m, 3m + 1, 3m + 2 of each row. t0..t7: `lut_tables` (compiled path only)."""
     if BITS == 4:
-        if ASM:
-            a0, a1, a2, a3, a4, a5, a6, a7 = tl.inline_asm_elementwise(
-                _LUT4, "=h,=h,=h,=h,=h,=h,=h,=h,r,r,r,r,r,r,r,r,r", [p, t0, t1, t2, t3, t4, t5, t6, t7],
-                dtype=_F16X8, is_pure=True, pack=1)
-        else:
-            a0, a1, a2, a3, a4, a5, a6, a7 = _lut4_generic(p, lv_ptr, F32)
+        a0, a1, a2, a3, a4, a5, a6, a7 = lut4(p, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, F32, ASM)
         x = join8(a0, a1, a2, a3, a4, a5, a6, a7)  # [.., j, x, y, z] = code 8j + 4x + 2y + z
     elif BITS == 2:
         if ASM:

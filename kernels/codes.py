@@ -13,8 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["_code_ints", "_codes", "_codes_w8", "_fp8_byte_f16", "_fp8_w8", "_u8_to_f16", "_w32_fp8_to_f16x4",
-           "_w32_to_f16x4"]
+__all__ = ["NIB8_ASM", "_code_ints", "_codes", "_codes_w8", "_fp8_byte_f16", "_fp8_w8", "_u8_to_f16",
+           "_w32_fp8_to_f16x4", "_w32_to_f16x4", "w32_bytes", "w32_nibbles"]
 
 
 @triton.jit
@@ -121,6 +121,61 @@ def _codes_w8(p, BLOCK_T: tl.constexpr, D: tl.constexpr, BIAS: tl.constexpr, OUT
         c = tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK_T, D))
         x = ((c | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)).to(OUT)
     return x
+
+
+# eight 4-bit codes of a word -> four half2 registers (1024 + code each): two PRMTs spread bytes 0-1 and 2-3
+# into 16-bit lanes, a LOP3 per low-nibble pair, a shift and a LOP3 per high-nibble pair; outputs $0..$7
+# are codes 0..7 (code i at bits 4i). Modelled instruction by instruction in test_engine_kernel.py.
+NIB8_ASM = (
+    "{ .reg .b32 t0, t1, u0, u1; prmt.b32 t0, $8, 0, 0x4140; prmt.b32 t1, $8, 0, 0x4342; "
+    "lop3.b32 u0, t0, 0x000f000f, 0x64006400, 0xea; shr.b32 t0, t0, 4; "
+    "lop3.b32 t0, t0, 0x000f000f, 0x64006400, 0xea; "
+    "lop3.b32 u1, t1, 0x000f000f, 0x64006400, 0xea; shr.b32 t1, t1, 4; "
+    "lop3.b32 t1, t1, 0x000f000f, 0x64006400, 0xea; "
+    "mov.b32 {$0, $2}, u0; mov.b32 {$1, $3}, t0; mov.b32 {$4, $6}, u1; mov.b32 {$5, $7}, t1; }"
+)
+_NIB8: tl.constexpr = tl.constexpr(NIB8_ASM)
+
+
+@triton.jit
+def _nib_f16(w, i: tl.constexpr):
+    return (((w >> (4 * i)) & 15) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def w32_nibbles(w, OUT: tl.constexpr, ASM: tl.constexpr):
+    """uint32 words (any shape) of eight 4-bit codes (code i at bits 4i) -> eight tensors of w's shape holding
+    2^m + code i exactly: fp16 1024 + c (OUT fp16; `NIB8_ASM` when compiled) or fp32 2^23 + c."""
+    if OUT == tl.float16:
+        if ASM:
+            out = tl.inline_asm_elementwise(_NIB8, "=h,=h,=h,=h,=h,=h,=h,=h,r", [w],
+                                            dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+        else:
+            out = (_nib_f16(w, 0), _nib_f16(w, 1), _nib_f16(w, 2), _nib_f16(w, 3), _nib_f16(w, 4),
+                   _nib_f16(w, 5), _nib_f16(w, 6), _nib_f16(w, 7))
+    else:
+        out = (_nib_f32(w, 0), _nib_f32(w, 1), _nib_f32(w, 2), _nib_f32(w, 3), _nib_f32(w, 4), _nib_f32(w, 5),
+               _nib_f32(w, 6), _nib_f32(w, 7))
+    return out
+
+
+@triton.jit
+def _nib_f32(w, i: tl.constexpr):
+    return (((w >> (4 * i)) & 15) | 0x4B000000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def w32_bytes(w, OUT: tl.constexpr, ASM: tl.constexpr):
+    """uint32 words (any shape) -> four tensors of w's shape holding 2^m + byte k exactly (fp16 1024 + b
+    through `_w32_to_f16x4`, or fp32 2^23 + b)."""
+    if OUT == tl.float16:
+        out = _w32_to_f16x4(w, ASM)
+    else:
+        out = (((w & 255) | 0x4B000000).to(tl.float32, bitcast=True),
+               (((w >> 8) & 255) | 0x4B000000).to(tl.float32, bitcast=True),
+               (((w >> 16) & 255) | 0x4B000000).to(tl.float32, bitcast=True),
+               ((w >> 24) | 0x4B000000).to(tl.float32, bitcast=True))
+    return out
 
 
 @triton.jit

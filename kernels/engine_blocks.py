@@ -16,8 +16,8 @@ kernel (`KernelFrame.order`), as `-rot`'s rotation (no register shuffles inside 
 
     id  format   BLK  TS  HDR  NQ  codes                              value
     1   q8_0     32   34   2   32  int8 (words ^ 0x80808080, bias 128)   c * d
-    2   q4_0     32   18   2   16  4-bit, table c - 8                    t[c] * d
-    3   q4_1     32   20   4   16  4-bit, table c                        t[c] * d + m
+    2   q4_0     32   18   2   16  4-bit (`kernels.codes.w32_nibbles`)   (c - 8) * d
+    3   q4_1     32   20   4   16  4-bit                                 c * d + m
     4   q5_0     32   22   6   16  4-bit | bit e of qh << 4              (c - 16) * d
     5   q5_1     32   24   8   16  as q5_0                               c * d + m
     6   iq4_nl   32   18   2   16  4-bit, table kvalues_iq4nl            t[c] * d
@@ -35,8 +35,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .codebook import join8, lut_words
-from .codes import _codes_w8
+from .codebook import _join4 as join4
+from .codebook import join8, lut4
+from .codes import w32_bytes, w32_nibbles
 
 __all__ = ["engine_body"]
 
@@ -44,11 +45,12 @@ __all__ = ["engine_body"]
 @triton.jit
 def _code_words(c_ptr, row, valid, BLOCK_T: tl.constexpr, NB: tl.constexpr, TS: tl.constexpr,
                 HDR: tl.constexpr, NQ: tl.constexpr):
-    """The code bytes of each block of rows `row` (BLOCK_T,) as (BLOCK_T, NB * NQ // 4) uint32 words, each
+    """The code bytes of each block of rows `row` (BLOCK_T,) as (BLOCK_T, NB, NQ // 4) uint32 words, each
     block's rotated by its r (module docstring): from int32 words when the launcher viewed the pool so,
     else assembled from bytes."""
     NQW: tl.constexpr = NQ // 4
     RB: tl.constexpr = NB * TS
+    ALIGNED: tl.constexpr = TS % 4 == 0 and HDR % 4 == 0  # q4_1, q5_1, nvfp4: every block's codes on words
     start = tl.arange(0, NB) * TS + HDR  # (NB,): each block's first code byte in its row
     r = start % 4
     if c_ptr.dtype.element_ty == tl.int32:
@@ -56,79 +58,103 @@ def _code_words(c_ptr, row, valid, BLOCK_T: tl.constexpr, NB: tl.constexpr, TS: 
         base = row[:, None] * (RB // 4) + ((start - r) // 4)[None, :]  # (BLOCK_T, NB): first word read
         w = tl.load(c_ptr + base[:, :, None] + k[None, None, :], mask=valid[:, None, None], other=0)
         w = w.to(tl.uint32, bitcast=True)
-        # the last r code bytes of an unaligned block are the low bytes of the word after its NQ / 4
-        fix = tl.load(c_ptr + base + NQW, mask=valid[:, None] & (r != 0)[None, :], other=0)
-        fix = fix.to(tl.uint32, bitcast=True)
-        m = (tl.full((NB,), 1, tl.uint32) << (8 * r).to(tl.uint32)) - 1  # (NB,): the r low bytes
-        m = tl.where(k[None, :] == 0, m[:, None], 0)  # (NB, NQW): only in a block's first word
-        w = w ^ ((w ^ fix[:, :, None]) & m[None, :, :])  # one LOP3: the masked bytes from fix
+        if not ALIGNED:  # the last r code bytes of an unaligned block: the low bytes of the word after
+            fix = tl.load(c_ptr + base + NQW, mask=valid[:, None] & (r != 0)[None, :], other=0)
+            fix = fix.to(tl.uint32, bitcast=True)[:, :, None]
+            m = (tl.full((NB,), 1, tl.uint32) << (8 * r).to(tl.uint32)) - 1  # (NB,): the r low bytes
+            m = tl.where(k[None, :] == 0, m[:, None], 0)  # (NB, NQW): only in a block's first word
+            w = w ^ ((w ^ fix) & m[None, :, :])  # one LOP3: the masked bytes from fix
     else:
         j = tl.arange(0, NQ)
         src = start[:, None] + (j[None, :] - r[:, None] + NQ) % NQ  # (NB, NQ): kernel byte j's address
         b = tl.load(c_ptr + row[:, None, None] * RB + src[None, :, :], mask=valid[:, None, None], other=0)
         b4 = tl.reshape(b.to(tl.uint32), (BLOCK_T, NB, NQW, 4))
         w = tl.sum(b4 << (8 * tl.arange(0, 4)).to(tl.uint32)[None, None, None, :], axis=3)
-    return tl.reshape(w, (BLOCK_T, NB * NQW))
+    return w
 
 
 @triton.jit
-def _half(hp, off, valid):
-    """The fp16 at half index off (BLOCK_T, NB) -> fp32."""
-    return tl.load(hp + off, mask=valid[:, None], other=0.0).to(tl.float32)
-
-
-@triton.jit
-def _u16(up, off, valid):
-    return tl.load(up + off, mask=valid[:, None], other=0).to(tl.uint32)
-
-
-@triton.jit
-def _headers(c_ptr, row, valid, BLOCK_T: tl.constexpr, NB: tl.constexpr, TS: tl.constexpr,
-             ENG: tl.constexpr):
-    """Each block's header -> (scale (BLOCK_T, NS) fp32, min (BLOCK_T, NB) fp32 (zeros without one),
-    qh (BLOCK_T, NB) uint32 (q5_x; zeros otherwise)); NS = NB * 4 for nvfp4 (a scale per 16), else NB."""
+def _word_scales(c_ptr, row, valid, BLOCK_T: tl.constexpr, NB: tl.constexpr, NQW: tl.constexpr,
+                 TS: tl.constexpr, ENG: tl.constexpr, MATH: tl.constexpr):
+    """The scale (and min; zeros without one) of each code word's values, (BLOCK_T, NB, NQW) in MATH, from
+    each block's header loaded once, (BLOCK_T, NB) (nvfp4: (BLOCK_T, NB, 4), one per 16 values; word k
+    takes sub-block k // 2); also qh (q5_x; zeros otherwise), (BLOCK_T, NB, 1) uint32."""
     RB: tl.constexpr = NB * TS
-    ob = tl.arange(0, NB)
-    bp = c_ptr.to(tl.pointer_type(tl.uint8))
-    zero = tl.zeros((BLOCK_T, NB), tl.float32)
-    qh = tl.zeros((BLOCK_T, NB), tl.uint32)
-    mn = zero
+    boff = row[:, None] * RB + (tl.arange(0, NB) * TS)[None, :]  # (BLOCK_T, NB): each block's byte 0
+    vm = valid[:, None]
+    mn = tl.zeros((BLOCK_T, NB, 1), MATH)
+    qh = tl.zeros((BLOCK_T, NB, 1), tl.uint32)
     if ENG == 7:  # E8M0 exponent byte: 2^(e - 128) as fp32 bits (e < 2: a subnormal)
-        e = tl.load(bp + row[:, None] * RB + (ob * TS)[None, :], mask=valid[:, None], other=0).to(tl.int32)
+        e = tl.load(c_ptr.to(tl.pointer_type(tl.uint8)) + boff, mask=vm, other=0).to(tl.int32)
         d = tl.where(e < 2, (e * 0 + 0x00200000) << e, (e - 1) << 23).to(tl.float32, bitcast=True)
-    elif ENG == 8:  # four UE4M3 bytes, one per 16 values
+        d = d.to(MATH)[:, :, None]
+    elif ENG == 8:  # UE4M3 per sub-block: E4M3 without its sign (fp16 bits << 7, times 2^8), halved
         s = tl.arange(0, 4)
-        off = row[:, None, None] * RB + (ob * TS)[None, :, None] + s[None, None, :]
-        u = tl.load(bp + off, mask=valid[:, None, None], other=0).to(tl.int32)
+        u = tl.load(c_ptr.to(tl.pointer_type(tl.uint8)) + boff[:, :, None] + s[None, None, :],
+                    mask=vm[:, :, None], other=0).to(tl.int32)
         h = ((u & 0x7F) << 7).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 128.0
-        d = tl.reshape(tl.where(u == 0x7F, 0.0, h), (BLOCK_T, NB * 4))
+        d = tl.where(u == 0x7F, 0.0, h).to(MATH)  # (BLOCK_T, NB, 4)
+        d = tl.reshape(tl.join(d, d), (BLOCK_T, NB, NQW))  # word k: sub-block k // 2
     else:  # fp16 d at byte 0 (TS even: halves), then m (q4_1, q5_1) and the 32 high bits qh (q5_x)
-        HW: tl.constexpr = TS // 2
-        hoff = row[:, None] * (NB * HW) + (ob * HW)[None, :]
-        d = _half(c_ptr.to(tl.pointer_type(tl.float16)), hoff, valid)
-        up = c_ptr.to(tl.pointer_type(tl.uint16))
+        hp = c_ptr.to(tl.pointer_type(tl.float16))
+        hoff = boff // 2
+        d = tl.load(hp + hoff, mask=vm, other=0.0).to(MATH)[:, :, None]
         if ENG == 3 or ENG == 5:
-            mn = _half(c_ptr.to(tl.pointer_type(tl.float16)), hoff + 1, valid)
-        if ENG == 4:
-            qh = _u16(up, hoff + 1, valid) | (_u16(up, hoff + 2, valid) << 16)
-        elif ENG == 5:
-            qh = _u16(up, hoff + 2, valid) | (_u16(up, hoff + 3, valid) << 16)
+            mn = tl.load(hp + hoff + 1, mask=vm, other=0.0).to(MATH)[:, :, None]
+        if ENG == 4 or ENG == 5:
+            up = c_ptr.to(tl.pointer_type(tl.uint16))
+            q0: tl.constexpr = 1 if ENG == 4 else 2
+            lo = tl.load(up + hoff + q0, mask=vm, other=0).to(tl.uint32)
+            qh = (lo | (tl.load(up + hoff + q0 + 1, mask=vm, other=0).to(tl.uint32) << 16))[:, :, None]
     return d, mn, qh
 
 
 @triton.jit
-def _q5_codes(w, qh, BLOCK_T: tl.constexpr, D: tl.constexpr, NB: tl.constexpr, TS: tl.constexpr,
-              HDR: tl.constexpr):
-    """5-bit codes (BLOCK_T, D) uint32 of q5_0 / q5_1: the nibbles of the words w (BLOCK_T, D // 8), in
-    nibble order, with bit 4 from the block's qh: kernel channel p of block b holds element
-    ((p // 2 - r_b) mod 16) + 16 (p % 2), whose high bit is bit that of qh."""
-    c = tl.reshape(join8(w & 15, (w >> 4) & 15, (w >> 8) & 15, (w >> 12) & 15, (w >> 16) & 15,
-                         (w >> 20) & 15, (w >> 24) & 15, w >> 28), (BLOCK_T, D))
+def _high_bit(qh, NB: tl.constexpr, NQW: tl.constexpr, TS: tl.constexpr, HDR: tl.constexpr, i: tl.constexpr):
+    """16 x bit 4 of q5_x's code i of each word (BLOCK_T, NB, NQW): kernel byte 4k + i // 2 of block b holds
+    element ((4k + i // 2 - r_b) mod 16) + 16 (i % 2), whose high bit is that bit of qh."""
     r = (tl.arange(0, NB) * TS + HDR) % 4
-    p = tl.arange(0, 32)
-    e = ((p // 2)[None, :] - r[:, None] + 16) % 16 + 16 * (p % 2)[None, :]  # (NB, 32)
-    hb = (qh[:, :, None] >> e.to(tl.uint32)[None, :, :]) & 1  # (BLOCK_T, NB, 32)
-    return c | tl.reshape(hb << 4, (BLOCK_T, D))
+    e = ((4 * tl.arange(0, NQW) + i // 2)[None, :] - r[:, None] + 16) % 16 + 16 * (i % 2)  # (NB, NQW)
+    return ((qh >> e.to(tl.uint32)[None, :, :]) & 1) << 4
+
+
+@triton.jit
+def _q5(w, qh, i: tl.constexpr, NB: tl.constexpr, NQW: tl.constexpr, TS: tl.constexpr, HDR: tl.constexpr,
+        MATH: tl.constexpr):
+    """2^m + the 5-bit code i of each word, exactly (the exponent trick on nibble | high bit)."""
+    c = ((w >> (4 * i)) & 15) | _high_bit(qh, NB, NQW, TS, HDR, i)
+    if MATH == tl.float16:
+        out = (c | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    else:
+        out = (c | 0x4B000000).to(tl.float32, bitcast=True)
+    return out
+
+
+@triton.jit
+def _parts(w, qh, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, NB: tl.constexpr, NQW: tl.constexpr,
+           TS: tl.constexpr, HDR: tl.constexpr, ENG: tl.constexpr, MATH: tl.constexpr, F32: tl.constexpr,
+           ASM: tl.constexpr):
+    """The eight values of each 4-bit code word, in MATH, before the scale: table formats their level,
+    q4_x / q5_x 2^m + code (the caller removes 2^m + bias)."""
+    if ENG == 2 or ENG == 3:
+        a = w32_nibbles(w, MATH, ASM)
+    elif ENG == 4 or ENG == 5:
+        a = (_q5(w, qh, 0, NB, NQW, TS, HDR, MATH), _q5(w, qh, 1, NB, NQW, TS, HDR, MATH),
+             _q5(w, qh, 2, NB, NQW, TS, HDR, MATH), _q5(w, qh, 3, NB, NQW, TS, HDR, MATH),
+             _q5(w, qh, 4, NB, NQW, TS, HDR, MATH), _q5(w, qh, 5, NB, NQW, TS, HDR, MATH),
+             _q5(w, qh, 6, NB, NQW, TS, HDR, MATH), _q5(w, qh, 7, NB, NQW, TS, HDR, MATH))
+    else:
+        a = lut4(w, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, F32, ASM and not F32)
+    return a
+
+
+@triton.jit
+def _scaled(a, d, mn, B: tl.constexpr, MIN: tl.constexpr):
+    """(a - B) * d (+ mn): B removes the exponent trick's 2^m and the code offset, exactly."""
+    x = (a.to(d.dtype) - B) * d
+    if MIN:
+        x = x + mn
+    return x
 
 
 @triton.jit
@@ -136,8 +162,9 @@ def engine_body(c_ptr, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, row, valid, BLOCK
                 D: tl.constexpr, ENG: tl.constexpr, OUT: tl.constexpr, ASM: tl.constexpr):
     """Rows `row` (BLOCK_T,) of a GGUF block pool (viewed as int32 words, or uint8) -> (BLOCK_T, D) values
     in OUT (fp16 arithmetic for fp16, fp32 for bf16 / fp32), in `engine_order`'s channel order. lv_ptr:
-    the format's 16-value table (`engine_levels`; unused for q8_0 / q5_x), t0..t7 its PRMT planes
-    (`kernels.codebook.lut_tables`, compiled path). ENG: the format's id (module docstring)."""
+    the format's 16-value table (`engine_levels`; unused for q8_0, q4_x, q5_x), t0..t7 its PRMT planes
+    (`kernels.codebook.lut_tables`, compiled path). ENG: the format's id (module docstring). Each code
+    word is scaled where it was decoded, with its own copy of its block's scale."""
     BLK: tl.constexpr = 64 if ENG == 8 else 32
     TS: tl.constexpr = (34 if ENG == 1 else 18 if ENG == 2 or ENG == 6 else 20 if ENG == 3 else 22 if ENG == 4
                         else 24 if ENG == 5 else 17 if ENG == 7 else 36)
@@ -145,23 +172,24 @@ def engine_body(c_ptr, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, row, valid, BLOCK
                          else 6 if ENG == 4 else 8 if ENG == 5 else 1)
     NQ: tl.constexpr = 32 if ENG == 1 or ENG == 8 else 16
     NB: tl.constexpr = D // BLK
+    NQW: tl.constexpr = NQ // 4
     MATH: tl.constexpr = tl.float16 if OUT == tl.float16 else tl.float32
     F32: tl.constexpr = OUT == tl.float32
-    w = _code_words(c_ptr, row, valid, BLOCK_T, NB, TS, HDR, NQ)  # (BLOCK_T, D * 8 // NQ // ...) words
-    d, mn, qh = _headers(c_ptr, row, valid, BLOCK_T, NB, TS, ENG)
-    if ENG == 1:  # signed bytes: flip the sign bits, then the unsigned path with bias 128
-        x = _codes_w8(w ^ 0x80808080, BLOCK_T, D, 128, MATH, ASM)
-    elif ENG == 4 or ENG == 5:
-        c = _q5_codes(w, qh, BLOCK_T, D, NB, TS, HDR)
-        BIAS: tl.constexpr = 16 if ENG == 4 else 0
-        if MATH == tl.float16:  # the exponent trick (kernels.codes): 1024 + c, exactly
-            x = (c.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + BIAS)
-        else:
-            x = (c | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)
+    w = _code_words(c_ptr, row, valid, BLOCK_T, NB, TS, HDR, NQ)  # (BLOCK_T, NB, NQW)
+    d, mn, qh = _word_scales(c_ptr, row, valid, BLOCK_T, NB, NQW, TS, ENG, MATH)
+    MIN: tl.constexpr = ENG == 3 or ENG == 5
+    if ENG == 1:  # signed bytes: flip the sign bits, then 2^m + 128 + code
+        B8: tl.constexpr = 1152.0 if MATH == tl.float16 else 8388736.0
+        c0, c1, c2, c3 = w32_bytes(w ^ 0x80808080, MATH, ASM)
+        x = join4(_scaled(c0, d, mn, B8, False), _scaled(c1, d, mn, B8, False), _scaled(c2, d, mn, B8, False),
+                  _scaled(c3, d, mn, B8, False))  # [.., k, a, b] = byte 2a + b of word k
     else:
-        x = lut_words(w, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, BLOCK_T, D, 4, F32, ASM and not F32).to(MATH)
-    SUB: tl.constexpr = 16 if ENG == 8 else BLK  # values per scale
-    x3 = tl.reshape(x, (BLOCK_T, D // SUB, SUB)) * d.to(MATH)[:, :, None]
-    if ENG == 3 or ENG == 5:
-        x3 = x3 + mn.to(MATH)[:, :, None]
-    return tl.reshape(x3, (BLOCK_T, D)).to(OUT)
+        a0, a1, a2, a3, a4, a5, a6, a7 = _parts(w, qh, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, NB, NQW, TS,
+                                                HDR, ENG, MATH, F32, ASM)
+        BIAS: tl.constexpr = 8 if ENG == 2 else 16 if ENG == 4 else 0
+        TWO: tl.constexpr = 1024.0 if MATH == tl.float16 else 8388608.0
+        B: tl.constexpr = TWO + BIAS if ENG <= 5 else 0.0  # table formats: the level itself
+        x = join8(_scaled(a0, d, mn, B, MIN), _scaled(a1, d, mn, B, MIN), _scaled(a2, d, mn, B, MIN),
+                  _scaled(a3, d, mn, B, MIN), _scaled(a4, d, mn, B, MIN), _scaled(a5, d, mn, B, MIN),
+                  _scaled(a6, d, mn, B, MIN), _scaled(a7, d, mn, B, MIN))  # [.., k, x, y, z] = code 4x+2y+z
+    return tl.reshape(x, (BLOCK_T, D)).to(OUT)

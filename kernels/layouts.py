@@ -79,8 +79,8 @@ class EngineKernelLayout(KernelLayout):
 # against kvquant.codecs.engine.BLOCK_TYPES)
 ENGINE_KERNEL_FORMATS: dict[str, tuple] = {
     "q8_0": (1, 32, 34, 2, 32, None),
-    "q4_0": (2, 32, 18, 2, 16, tuple(range(-8, 8))),
-    "q4_1": (3, 32, 20, 4, 16, tuple(range(16))),
+    "q4_0": (2, 32, 18, 2, 16, None),
+    "q4_1": (3, 32, 20, 4, 16, None),
     "q5_0": (4, 32, 22, 6, 16, None),
     "q5_1": (5, 32, 24, 8, 16, None),
     "iq4_nl": (6, 32, 18, 2, 16, IQ4_NL_VALUES),

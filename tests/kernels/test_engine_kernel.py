@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import logging
 
+import numpy as np
 import pytest
 import torch
 import triton
 import triton.language as tl
 from kvquant.kernels import decode_attention as da
 from kvquant.kernels import dispatch
+from kvquant.kernels.codebook import lut_tables
 from kvquant.kernels.engine_blocks import engine_body
 from kvquant.kernels.layouts import (
     ENGINE_KERNEL_FORMATS,
@@ -42,7 +44,7 @@ def test_the_kernel_formats_are_the_codecs_blocks():
         bt = BLOCK_TYPES[name]
         assert (bt.block, bt.type_size) == (block, size), name
         assert header + nq == size and nq * 8 // block in (4, 8), name
-        assert (table is None) == (name in ("q8_0", "q5_0", "q5_1")), name
+        assert (table is None) == (name in ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1")), name
     assert sorted(k[0] for k in ENGINE_KERNEL_FORMATS.values()) == list(range(1, 9))
 
 
@@ -50,12 +52,18 @@ def test_the_kernel_formats_are_the_codecs_blocks():
 
 
 @triton.jit
-def _blocks_kernel(c_ptr, lv_ptr, out_ptr, BT: tl.constexpr, D: tl.constexpr, ENG: tl.constexpr):
-    """Rows 0..BT-1 of a block pool -> their (BT, D) values in fp32, through the decode kernel's own helper
-    (the generic path: the interpreter runs no PTX)."""
+def _blocks_kernel(c_ptr, lv_ptr, out_ptr, BT: tl.constexpr, D: tl.constexpr, ENG: tl.constexpr,
+                   OUT_F16: tl.constexpr = False, ASM: tl.constexpr = False):
+    """Rows 0..BT-1 of a block pool -> their (BT, D) values (fp32, or fp16 arithmetic), through the decode
+    kernel's own helper (ASM: the compiled path's PTX, on a GPU only)."""
     row = tl.arange(0, BT)
-    z = tl.zeros((), tl.int32)
-    x = engine_body(c_ptr, lv_ptr, z, z, z, z, z, z, z, z, row, row < BT, BT, D, ENG, tl.float32, False)
+    t0, t1, t2, t3, t4, t5, t6, t7 = lut_tables(lv_ptr, 4, ASM and OUT_F16 and ENG >= 6)
+    if OUT_F16:
+        x = engine_body(c_ptr, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, row, row < BT, BT, D, ENG, tl.float16,
+                        ASM)
+    else:
+        x = engine_body(c_ptr, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, row, row < BT, BT, D, ENG, tl.float32,
+                        ASM)
     tl.store(out_ptr + row[:, None] * D + tl.arange(0, D)[None, :], x)
 
 
@@ -92,6 +100,45 @@ def test_blocks_decode_bit_exact_in_kernel_order(fmt, d, words, device):
     want = ggml_dequantize(rows, fmt)[:, torch.tensor(engine_order(lay, d))]
     assert torch.equal(out.cpu().isnan(), want.isnan())
     assert torch.equal(torch.nan_to_num(out.cpu()), torch.nan_to_num(want))
+
+
+def test_nibble_ptx_gives_every_code(device):
+    """The compiled path's PTX for 4-bit codes (`kernels.codes.NIB8_ASM`; no GPU has run it yet), evaluated
+    instruction by instruction: output i is fp16 1024 + code i (bits 4i) for every code in every position."""
+    from kvquant.kernels.codes import NIB8_ASM
+    from ptx_model import run_ptx
+
+    g = np.random.default_rng(0)
+    exhaustive = np.array([sum(((c + i) % 16) << (4 * i) for i in range(8)) for c in range(16)], np.uint64)
+    words = np.concatenate([exhaustive.astype(np.uint32), g.integers(0, 2**32, 4096, dtype=np.uint64)
+                            .astype(np.uint32)])
+    outs = run_ptx(NIB8_ASM, {8: words})
+    for i in range(8):
+        want = 0x6400 | ((words >> np.uint32(4 * i)) & 15)
+        np.testing.assert_array_equal(outs[i], want, err_msg=f"code {i}")
+    wrong = run_ptx(NIB8_ASM.replace("mov.b32 {$1, $3}, t0", "mov.b32 {$3, $1}, t0"), {8: words})
+    assert not np.array_equal(wrong[1], outs[1])  # the model sees a swapped output
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_compiled_blocks_on_a_gpu_equal_the_generic_path(fmt, device):
+    """On a GPU (TRITON_INTERPRET=0): the compiled helper (PTX: PRMT byte / nibble conversion, the PRMT
+    table lookup) gives the generic path's values bit for bit, fp16 and fp32. The first thing a GPU run
+    must check: no GPU has run this code yet."""
+    if da._interpreting():
+        pytest.skip("inline PTX runs only compiled, on a GPU (the PTX model tests cover it here)")
+    codec = codec_for(NAMES[fmt], 1, 128)
+    lay = decode_layout(codec)
+    rows = ggml_quantize(_rows(fmt, 128, 64), fmt).to(device)
+    pool = rows.view(torch.int32)
+    for dtype in (torch.float16, torch.float32):
+        table = engine_levels(lay, device, None, dtype) if lay.lut else pool
+        out = {asm: torch.empty(64, 128, dtype=dtype, device=device) for asm in (False, True)}
+        for asm, o in out.items():
+            _blocks_kernel[(1,)](pool, table, o, BT=64, D=128, ENG=lay.kernel_id,
+                                 OUT_F16=dtype == torch.float16, ASM=asm)
+        assert torch.equal(out[True].view(torch.int16 if dtype == torch.float16 else torch.int32),
+                           out[False].view(torch.int16 if dtype == torch.float16 else torch.int32))
 
 
 def test_the_order_check_is_strict():
