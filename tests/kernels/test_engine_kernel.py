@@ -236,7 +236,7 @@ class WrongTable:
 def test_the_self_check_probes_engine_variants(device, monkeypatch, caplog):
     """The probe builds for GGUF layouts (in their frames) and passes a right variant; a wrong table is
     caught, logged once, and the reference path serves."""
-    kc, vc = _codecs("llama.cpp:q4_0", "llama.cpp:q8_0", 2, 64, torch.float16)
+    kc, vc = _codecs("llama.cpp:iq4_nl", "llama.cpp:q8_0", 2, 64, torch.float16)
     layer = make_paged_layer(k=kc, v=vc, sink=2, body=64, recent=3, device=device)
     q = random_query(layer, 2, torch.float16, device)
     good = KernelRegistry("t", self_check=SelfCheck(enabled=True))
@@ -249,7 +249,7 @@ def test_the_self_check_probes_engine_variants(device, monkeypatch, caplog):
             assert dispatch.fused_attention(q, layer, None, None, registry=bad) is None
     assert len([r for r in caplog.records if "disagrees with its reference twin" in r.getMessage()]) == 1
     ((name, variant, _),) = bad.self_check.disabled()
-    assert name == "decode_attention" and ("K_ENG", 2) in variant and ("V_ENG", 1) in variant
+    assert name == "decode_attention" and ("K_ENG", 6) in variant and ("V_ENG", 1) in variant
 
 
 # ------------------------------------------------------------------------------- end to end
