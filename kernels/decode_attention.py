@@ -42,9 +42,12 @@ frame: (R_k q).(R_k k) = q.k, and sum_j p_j v_j = R_v^T sum_j p_j (R_v v_j). It 
 gives the kernel rotated copies of the FP sink and window pages (R_k k, R_v v; a small pool of just the
 pages those two regions use, their tables renumbered into it) so the whole softmax runs in one frame, and
 un-rotates the output by R_v^T; K and V each only when their codec rotates, each with its own signs. All
-of it is `fwht` (O(D log D) per token) on the device: no dense matrix, no host sync. The alternative, the
-kernel returning the body's partial output and log-sum-exp apart for a merge with an unrotated torch pass
-over sink and window, would need a second output format of the kernel for the same work.
+of it is `fwht` (O(D log D) per token) on the device: no dense matrix, no host sync. Any other frame
+(`KernelFrame`: `-crot`'s dense M, llama.cpp's blockwise Hadamard and a GGUF format's channel order,
+`kernels.layouts.decode_frame`) takes the same path: query and FP copies into the frame, output out of it.
+The alternative, the kernel returning the body's partial output and log-sum-exp apart for a merge with an
+unrotated torch pass over sink and window, would need a second output format of the kernel for the same
+work.
 
 Compilation: every length, offset, split count and table/mask stride is `do_not_specialize`, so one
 variant per (codecs, head_dim, dtype, GQA group, parts present) serves a whole decode; pool strides stay

@@ -66,7 +66,9 @@ decode), `-norot` is the variable set, `-rot` insists on it (refused at head_dim
 is fp32 matrix arithmetic, whose summation order differs between backends: rotated rows can differ from a
 llama.cpp build's in the last bit, and then a code; the blocks of given rows are gguf's exactly.
 
-No kernel reads these formats yet (`kernel_layout` is None): attention takes the PyTorch reference path.
+The Triton decode kernel reads these blocks in place (`kvquant.kernels.engine_blocks`; which codec it reads
+and in which frame, llama.cpp's rotation included, is `kvquant.kernels.layouts.decode_frame`); `kernel_layout`
+stays None (no pack kernel: appends take `encode`), and the PyTorch reference path is this module.
 """
 
 from __future__ import annotations

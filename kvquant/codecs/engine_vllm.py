@@ -77,7 +77,9 @@ offline: the version documented latest stores a zero point inside the scale's lo
 `nvfp4` (FlashInfer's arithmetic; kvquant's `nvfp4` is ggml's block of the same
 4.5 bits), `fp8_inc` (Intel Gaudi) and the MLA-only `fp8_ds_mla` / `nvfp4_ds_mla`.
 
-No kernel reads these codecs here (`kernel_layout` None): attention takes the PyTorch reference path.
+The Triton decode kernel reads the per-(token, head) formats and the per-tensor FP8 ones at the scale 1.0 in
+place (`kvquant.kernels.layouts.decode_layout`); TurboQuant and a bound scale other than 1 take the PyTorch
+reference path. `kernel_layout` stays None (no pack kernel: appends take `encode`).
 """
 
 from __future__ import annotations
