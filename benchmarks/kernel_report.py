@@ -85,12 +85,17 @@ SCHEMES = {  # report name: (K spec, V spec)
     # vLLM's per-(token, head) formats (fp8_e4m3 at scale 1 compiles to fp8-e4m3-tensor's kernel)
     "vllm-int8-pth": ("vllm:int8_per_token_head", "vllm:int8_per_token_head"),
     "vllm-fp8-pth": ("vllm:fp8_per_token_head", "vllm:fp8_per_token_head"),
+    # vLLM's TurboQuant slots (keys in the layer's rotated frame, rotated outside the kernel)
+    "tq-4bit-nc": ("vllm:turboquant_4bit_nc.k", "vllm:turboquant_4bit_nc.v"),
+    "tq-3bit-nc": ("vllm:turboquant_3bit_nc.k", "vllm:turboquant_3bit_nc.v"),
+    "tq-k8v4": ("vllm:turboquant_k8v4.k", "vllm:turboquant_k8v4.v"),
 }
 # the codebook, -center and -outP variants (`--subset codebook`)
 CODEBOOK = ("nuq4-g64", "nuq3-g64", "nuq2-g64", "nuq3", "nuq3-sym-head", "kvquant-3b", "int4-g64-kcenter",
             "int4-g64-out1", "nuq3-g64-kcenter")
 # the GGUF block and vLLM variants (`--subset engine`)
-ENGINE = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4", "nvfp4", "vllm-int8-pth", "vllm-fp8-pth")
+ENGINE = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4", "nvfp4", "vllm-int8-pth", "vllm-fp8-pth",
+          "tq-4bit-nc", "tq-3bit-nc", "tq-k8v4")
 LAYOUT = (32, 8)  # H_q, H_kv (Llama-3-8B); head_dim varies
 
 

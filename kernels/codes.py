@@ -226,14 +226,17 @@ def _fp8_w8(p, BLOCK_T: tl.constexpr, D: tl.constexpr, FMT: tl.constexpr, OUT: t
 
 
 @triton.jit
-def _code_ints(c_ptr, row, valid, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+def _code_ints(c_ptr, row, valid, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+               RS: tl.constexpr = 0):
     """The packed codes of rows `row` (BLOCK_T,) of a code pool -> (BLOCK_T, D) uint32 codes (packing):
     2 / 4 / 8 bits lowest bits first within a byte; 3 bits 8 codes per 24-bit little-endian unit of 3 bytes,
     loaded as three (BLOCK_T, D // 8) byte tiles (a row of 3 D / 8 bytes is not a power of two wide).
+    RS: bytes per row when the codes are the head of a longer row (a TurboQuant slot), else 0.
     (One return at the end: the compiler also walks the statements after a constexpr branch's return.)"""
     if BITS == 3:
         U: tl.constexpr = D // 8
-        base = row[:, None] * (3 * U) + 3 * tl.arange(0, U)[None, :]  # (BLOCK_T, U): first byte of each unit
+        R3: tl.constexpr = RS if RS > 0 else 3 * U
+        base = row[:, None] * R3 + 3 * tl.arange(0, U)[None, :]  # (BLOCK_T, U): first byte of each unit
         w = tl.load(c_ptr + base, mask=valid[:, None], other=0).to(tl.uint32)
         w = w | (tl.load(c_ptr + base + 1, mask=valid[:, None], other=0).to(tl.uint32) << 8)
         w = w | (tl.load(c_ptr + base + 2, mask=valid[:, None], other=0).to(tl.uint32) << 16)
@@ -244,7 +247,8 @@ def _code_ints(c_ptr, row, valid, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: 
     else:
         PER: tl.constexpr = 8 // BITS
         COLS: tl.constexpr = D // PER
-        p = tl.load(c_ptr + row[:, None] * COLS + tl.arange(0, COLS)[None, :], mask=valid[:, None], other=0)
+        RC: tl.constexpr = RS if RS > 0 else COLS
+        p = tl.load(c_ptr + row[:, None] * RC + tl.arange(0, COLS)[None, :], mask=valid[:, None], other=0)
         w = p.to(tl.uint32)
         if BITS == 8:
             c = w

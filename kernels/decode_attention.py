@@ -76,11 +76,13 @@ from .engine_blocks import engine_body
 from .layouts import (
     EngineKernelLayout,
     SignedInt8KernelLayout,
+    SlotKernelLayout,
     decode_frame,
     decode_layout,
     decode_parts,
     device_levels,
     engine_levels,
+    slot_levels,
 )
 from .registry import KernelRegistry, default_registry
 
@@ -119,7 +121,7 @@ def _load_body(
     H_KV: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr, BS: tl.constexpr, BITS: tl.constexpr,
     SYM: tl.constexpr, TE: tl.constexpr, CE: tl.constexpr, SHARED: tl.constexpr, IDX64: tl.constexpr,
     OUT: tl.constexpr, ASM: tl.constexpr, FMT: tl.constexpr, UNIT: tl.constexpr, LUT: tl.constexpr,
-    CENTER: tl.constexpr = 0, OUTK: tl.constexpr = 0, ENG: tl.constexpr = 0,
+    CENTER: tl.constexpr = 0, OUTK: tl.constexpr = 0, ENG: tl.constexpr = 0, SLOT: tl.constexpr = 0,
 ):
     """Body tokens at pages pg (BLOCK_T,) int32, slots slot (BLOCK_T,) of KV head h ->
     (x (BLOCK_T, D) in OUT, s, z (BLOCK_T,) fp32).
@@ -149,7 +151,10 @@ def _load_body(
     the folding of a per-token scale off (x is then dequantized here).
     FMT 3: signed 8-bit codes (vLLM's int8_per_token_head), read as int8's biased codes after flipping their
     sign bits, times the scale as stored. ENG > 0: GGUF blocks (`kernels.engine_blocks`), dequantized here
-    in the kernel's channel order; s and z unused."""
+    in the kernel's channel order; s and z unused. SLOT > 0: a TurboQuant slot (`kernels.layouts.
+    SlotKernelLayout`): rows of SLOT bytes, the packed codes first, then fp16 stats that s_ptr / z_ptr
+    point at (the pool seen as fp16 from the first stat: a token's stat at row * SLOT / 2). (A key's norm
+    correction, NC, is `_attend`'s: x is the centroids, s the norm.)"""
     offs_d = tl.arange(0, D)
     row = (pg * H_KV + h) * BS + slot  # (BLOCK_T,) row of the (P * H * BS, cols) pool
     if IDX64:
@@ -185,14 +190,21 @@ def _load_body(
                                 mask=valid[:, None], other=0)
                 c = lut_words(p, lv_ptr, tab[0], tab[1], tab[2], tab[3], tab[4], tab[5], tab[6], tab[7],
                               BLOCK_T, D, BITS, F32, ASM and not F32).to(MATH)  # (BLOCK_T, D)
+            else:  # (a TurboQuant key's rows are not whole words: its codes take this path too)
+                c = _level(lv_ptr, _code_ints(c_ptr, row, valid, BLOCK_T, D, BITS, SLOT), F32).to(MATH)
+        elif BITS == 3:  # affine 3-bit codes (a TurboQuant value slot): 2^m + c, less the offset
+            c3 = _code_ints(c_ptr, row, valid, BLOCK_T, D, BITS, SLOT)
+            if MATH == tl.float16:
+                c = (c3.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - (1024.0 + BIAS)
             else:
-                c = _level(lv_ptr, _code_ints(c_ptr, row, valid, BLOCK_T, D, BITS), F32).to(MATH)
+                c = (c3 | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + BIAS)
         else:
             PER: tl.constexpr = 8 // BITS
             WORDS: tl.constexpr = c_ptr.dtype.element_ty == tl.int32  # 8-bit codes read as int32 words
             COLS: tl.constexpr = D // PER // 4 if WORDS else D // PER
+            RC: tl.constexpr = COLS if SLOT == 0 else SLOT // 4 if WORDS else SLOT  # a row, in loaded units
             offs_b = tl.arange(0, COLS)
-            p = tl.load(c_ptr + row[:, None] * COLS + offs_b[None, :], mask=valid[:, None], other=0)
+            p = tl.load(c_ptr + row[:, None] * RC + offs_b[None, :], mask=valid[:, None], other=0)
             if FMT == 3 and WORDS:  # signed bytes: flip the sign bits, then codes biased by 128
                 c = _codes_w8(p.to(tl.uint32, bitcast=True) ^ 0x80808080, BLOCK_T, D, BIAS, MATH, ASM)
             elif FMT == 3:
@@ -206,7 +218,9 @@ def _load_body(
             else:
                 c = _codes(p, BLOCK_T, D, BITS, BIAS, MATH, ASM)
         NG: tl.constexpr = D // CE
-        if TE == 1:
+        if SLOT > 0:  # the stats sit in the slot row itself
+            srow = row * (SLOT // 2)
+        elif TE == 1:
             srow = row if not SHARED else pg * BS + slot
         elif SHARED:
             srow = pg * (BS // TE) + slot // TE
@@ -293,7 +307,7 @@ def _load_body(
 @triton.jit
 def _attend(q, qsum, k, ks, kz, v, vs, vz, valid, m_i, l_i, acc, qk_scale,
             K_FOLD: tl.constexpr, K_SYM: tl.constexpr, V_FOLD: tl.constexpr, V_SYM: tl.constexpr,
-            W: tl.constexpr, DOT_FP32: tl.constexpr):
+            W: tl.constexpr, DOT_FP32: tl.constexpr, K_NC: tl.constexpr = False):
     """One online-softmax step (log2 domain) over a block of BT tokens, cut into W slabs of BT // W (one
     per warp), each with its own running max and sum, so no statistic crosses a warp inside the loop.
 
@@ -301,7 +315,10 @@ def _attend(q, qsum, k, ks, kz, v, vs, vz, valid, m_i, l_i, acc, qk_scale,
     vz (BT,) fp32 per-token scales and zeros, folded when K_FOLD / V_FOLD (k, v are then the codes):
     q.(c s + z) = (q.c) s + z sum(q) and sum_t p_t (c_t s_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t.
     valid (BT,); m_i, l_i (W, G_PAD); acc (W, D, G_PAD): the output transposed, so the PV product is
-    V^T (D x BT/W) by P^T (BT/W x G_PAD) and G_PAD (8 for up to 8 query heads) is the narrow side."""
+    V^T (D x BT/W) by P^T (BT/W x G_PAD) and G_PAD (8 for up to 8 query heads) is the narrow side.
+    K_NC: k holds TurboQuant centroid vectors c (norm in ks), renormalized to unit length as vLLM reads
+    them: |c|^2 of every token comes from one more MMA, 1 (G_PAD x D) by (c * c)^T, already laid out as
+    the scores are (a row sum across lanes would take shuffles per token)."""
     BT: tl.constexpr = k.shape[0]
     D: tl.constexpr = k.shape[1]
     TW: tl.constexpr = BT // W
@@ -318,6 +335,14 @@ def _attend(q, qsum, k, ks, kz, v, vs, vz, valid, m_i, l_i, acc, qk_scale,
             s = s + qsum[None, :, None] * tl.reshape(kz * qk_scale, (W, TW))[:, None, :]
     else:
         s = s * qk_scale
+    if K_NC:  # TurboQuant _nc keys: times 1 / |c| of each token's centroid vector, by one more MMA (1 . c^2)
+        kf = k3.to(tl.float32)
+        kk = kf * kf  # (squared in fp32: no bf16 arithmetic in the interpreter; one rounding compiled)
+        if DOT_FP32:
+            n2 = tl.dot(tl.full(q.shape, 1.0, tl.float32), tl.trans(kk, (0, 2, 1)), input_precision="ieee")
+        else:  # (W, G_PAD, TW), fp32 accumulation
+            n2 = tl.dot(tl.full(q.shape, 1.0, q.dtype), tl.trans(kk.to(q.dtype), (0, 2, 1)))
+        s = s / tl.sqrt(n2 + 1e-16)
     s = tl.where(ok, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=2))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked block must not give NaN
@@ -359,6 +384,7 @@ def _paged_split_kernel(
     V_BITS: tl.constexpr, V_SYM: tl.constexpr, V_TE: tl.constexpr, V_CE: tl.constexpr, V_SHARED: tl.constexpr,
     K_FMT: tl.constexpr, K_UNIT: tl.constexpr, V_FMT: tl.constexpr, V_UNIT: tl.constexpr,
     K_LUT: tl.constexpr, V_LUT: tl.constexpr, K_ENG: tl.constexpr, V_ENG: tl.constexpr,
+    K_SLOT: tl.constexpr, V_SLOT: tl.constexpr, K_NC: tl.constexpr, V_NC: tl.constexpr,
     K_CENTER: tl.constexpr, K_OUT: tl.constexpr, V_CENTER: tl.constexpr, V_OUT: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BODY: tl.constexpr, HAS_FP: tl.constexpr, DOT_FP32: tl.constexpr,
     BODY_STAGES: tl.constexpr, FP_STAGES: tl.constexpr, W: tl.constexpr,
@@ -411,13 +437,13 @@ def _paged_split_kernel(
                 k, ks, kz = _load_body(kc_ptr, ks_ptr, kz_ptr, kl_ptr, ko_ptr, kov_ptr, koi_ptr, ktab, pg,
                                        slot, h, valid, tab_row, s_btn, t0, hi, B_OFF, H_KV, D, BLOCK_T, BS,
                                        K_BITS, K_SYM, K_TE, K_CE, K_SHARED, IDX64, cdt, ASM, K_FMT, K_UNIT,
-                                       K_LUT, K_CENTER, K_OUT, K_ENG)
+                                       K_LUT, K_CENTER, K_OUT, K_ENG, K_SLOT)
                 v, vs, vz = _load_body(vc_ptr, vs_ptr, vz_ptr, vl_ptr, vo_ptr, vov_ptr, voi_ptr, vtab, pg,
                                        slot, h, valid, tab_row, s_btn, t0, hi, B_OFF, H_KV, D, BLOCK_T, BS,
                                        V_BITS, V_SYM, V_TE, V_CE, V_SHARED, IDX64, cdt, ASM, V_FMT, V_UNIT,
-                                       V_LUT, V_CENTER, V_OUT, V_ENG)
+                                       V_LUT, V_CENTER, V_OUT, V_ENG, V_SLOT)
                 m_i, l_i, acc = _attend(q, qsum, k, ks, kz, v, vs, vz, valid, m_i, l_i, acc, qk_scale,
-                                        K_FOLD, K_SYM, V_FOLD, V_SYM, W, DOT_FP32)
+                                        K_FOLD, K_SYM, V_FOLD, V_SYM, W, DOT_FP32, K_NC)
     else:
         if HAS_FP:
             # FP tokens u in [0, S + R): u < S is sink token u (position u), else recent token u - S
@@ -570,20 +596,23 @@ def _body_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: in
 
 def _base_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: int, bs: int, like,
                registry=None):
-    """(codes, scale, zero, levels) pools and (BITS, SYM, TE, CE, SHARED, FMT, UNIT, LUT, ENG) of one body's
-    base codec; dummies when absent. FMT: 0 integer codes, 1 / 2 float8 E4M3 / E5M2 (an `FP8KernelLayout`),
-    3 signed int8 codes with the scale as stored (`SignedInt8KernelLayout`); UNIT: FP8 without a scale; LUT:
-    codebook codes (`CodebookKernelLayout`), levels their table (`kernels.codebook.table_for`); ENG: a GGUF
-    block format's id (`_engine_args`)."""
+    """(codes, scale, zero, levels) pools and (BITS, SYM, TE, CE, SHARED, FMT, UNIT, LUT, ENG, SLOT, NC) of
+    one body's base codec; dummies when absent. FMT: 0 integer codes, 1 / 2 float8 E4M3 / E5M2 (an
+    `FP8KernelLayout`), 3 signed int8 codes with the scale as stored (`SignedInt8KernelLayout`); UNIT: FP8
+    without a scale; LUT: codebook codes (`CodebookKernelLayout`), levels their table
+    (`kernels.codebook.table_for`); ENG: a GGUF block format's id (`_engine_args`); SLOT, NC: a TurboQuant
+    slot's row bytes and norm correction (`_slot_args`)."""
     if codec is None:
-        return (like, like, like, like), (16, False, 1, d, False, 0, False, False, 0)
+        return (like, like, like, like), (16, False, 1, d, False, 0, False, False, 0, 0, False)
     lay = decode_layout(codec)
     if isinstance(lay, EngineKernelLayout):
         return _engine_args(lay, pages, h_kv, d, bs, like, registry)
+    if isinstance(lay, SlotKernelLayout):
+        return _slot_args(codec, lay, pages, h_kv, d, bs, like, registry)
     if lay.bits == 16:
         vals = pages["values"]
         _check_pool("values", vals, (h_kv, bs, d), like)
-        return (vals, vals, vals, vals), (16, False, 1, d, False, 0, False, False, 0)
+        return (vals, vals, vals, vals), (16, False, 1, d, False, 0, False, False, 0, 0, False)
     if getattr(lay, "codebook", False):
         codes, scale = pages["codes"], pages["scale"]
         zero = scale if lay.symmetric else pages["zero"]
@@ -598,7 +627,7 @@ def _base_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: in
         if words_ok(lay.bits, d) and codes.storage_offset() % 4 == 0:
             codes = codes.view(torch.int32)  # read as words (kernels.codebook)
         return (codes, scale, zero, levels), (lay.bits, lay.symmetric, lay.token_extent, lay.channel_extent,
-                                              shared, 0, False, True, 0)
+                                              shared, 0, False, True, 0, 0, False)
     fp8 = getattr(lay, "fp8", None)
     fmt, unit = (_FP8_FORMATS[fp8], bool(lay.unit_scale)) if fp8 is not None else (0, False)
     if unit:
@@ -608,7 +637,7 @@ def _base_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: in
         _check_pool("codes", codes, (h_kv, bs, d), like)
         if codes.storage_offset() % 4 == 0:
             codes = codes.view(torch.int32)
-        return (codes, codes, codes, codes), (8, True, 1, d, False, fmt, True, False, 0)
+        return (codes, codes, codes, codes), (8, True, 1, d, False, fmt, True, False, 0, 0, False)
     codes, scale = pages["codes"], pages["scale"]
     zero = pages.get("zero", scale) if not lay.symmetric else scale
     if isinstance(lay, SignedInt8KernelLayout):
@@ -624,7 +653,7 @@ def _base_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: in
     for name, t in (("scale", scale), ("zero", zero)):
         _check_pool(name, t, (1 if shared else h_kv, bs // lay.token_extent, d // lay.channel_extent), like)
     return (codes, scale, zero, codes), (lay.bits, lay.symmetric, lay.token_extent, lay.channel_extent,
-                                         shared, fmt, False, False, 0)
+                                         shared, fmt, False, False, 0, 0, False)
 
 
 def _engine_args(lay: EngineKernelLayout, pages, h_kv: int, d: int, bs: int, like, registry):
@@ -639,7 +668,27 @@ def _engine_args(lay: EngineKernelLayout, pages, h_kv: int, d: int, bs: int, lik
         blocks = blocks.view(torch.int32)
     levels = engine_levels(lay, like.device, registry, like.dtype) if lay.lut else blocks
     return (blocks, blocks, blocks, levels), (lay.bits, True, 1, lay.block, False, 0, False, lay.lut,
-                                              lay.kernel_id)
+                                              lay.kernel_id, 0, False)
+
+
+def _slot_args(codec, lay: SlotKernelLayout, pages, h_kv: int, d: int, bs: int, like, registry):
+    """A TurboQuant half (`SlotKernelLayout`): the `slot` pool as the codes (rows of row_bytes: SLOT), the
+    same pool seen as fp16 from each row's first stat as the scale (a key's norm, a value's scale) and,
+    one half further, the zero; a key's table of centroids. k8v4's E4M3 keys are a row of D codes: FP8
+    -tensor's path."""
+    slot = pages["slot"]
+    if slot.dtype != torch.uint8:
+        raise TypeError(f"decode_attention: a TurboQuant slot must be uint8, got {slot.dtype}")
+    _check_pool("slot", slot, (h_kv, bs, lay.row_bytes), like)
+    if lay.kind == "fp8":
+        codes = slot.view(torch.int32) if slot.storage_offset() % 4 == 0 else slot
+        return (codes, codes, codes, codes), (8, True, 1, d, False, 1, True, False, 0, 0, False)
+    stats = slot.view(torch.float16)[..., lay.code_bytes // 2:]  # (P, H_kv, BS, 1 or 2): views, no copy
+    zero = stats[..., 1:] if lay.kind == "affine" else stats
+    mse = lay.kind == "mse"
+    levels = slot_levels(codec, like.device, registry, like.dtype) if mse else slot
+    consts = (lay.bits, lay.symmetric, 1, d, False, 0, False, mse, 0, lay.row_bytes, lay.norm_correction)
+    return (slot, stats, zero, levels), consts
 
 
 def _check_pool(name: str, t: torch.Tensor, tail: tuple[int, ...], like: torch.Tensor) -> None:
@@ -698,7 +747,8 @@ class _Splits:
 
 
 # the per-codec constants `_body_args` returns, in its order; the split kernel takes them as K_* and V_*
-_CODEC_CONSTS = ("BITS", "SYM", "TE", "CE", "SHARED", "FMT", "UNIT", "LUT", "ENG", "CENTER", "OUT")
+_CODEC_CONSTS = ("BITS", "SYM", "TE", "CE", "SHARED", "FMT", "UNIT", "LUT", "ENG", "SLOT", "NC", "CENTER",
+                 "OUT")
 
 
 def _check_query(query: torch.Tensor) -> tuple[int, int, int]:

@@ -32,13 +32,13 @@ import torch
 from kvquant.codecs.base import CodebookCodec, KernelLayout
 from kvquant.codecs.calibrot import CalibRotationCodec
 from kvquant.codecs.engine import IQ4_NL_VALUES, MXFP4_VALUES, EngineCodec
-from kvquant.codecs.engine_vllm import VLLMCodec
+from kvquant.codecs.engine_vllm import TurboQuantCodec, VLLMCodec, tq_centroids, tq_signs
 from kvquant.codecs.fp8 import FP8KernelLayout
 from kvquant.codecs.transforms import CenterCodec, KernelFrame, OutlierCodec, RotationCodec, kernel_frame
 
 __all__ = ["CodebookKernelLayout", "DecodeParts", "ENGINE_KERNEL_FORMATS", "EngineKernelLayout",
-           "SignedInt8KernelLayout", "decode_layout", "decode_frame", "decode_parts", "device_levels",
-           "describe_unserved", "engine_levels", "engine_order"]
+           "SignedInt8KernelLayout", "SlotKernelLayout", "decode_layout", "decode_frame", "decode_parts",
+           "device_levels", "describe_unserved", "engine_levels", "engine_order", "slot_levels"]
 
 
 @dataclass(frozen=True)
@@ -132,6 +132,32 @@ def _vllm_layout(codec: VLLMCodec) -> KernelLayout | None:
 
 
 @dataclass(frozen=True)
+class SlotKernelLayout(KernelLayout):
+    """One half of vLLM's TurboQuant slot (`kvquant.codecs.engine_vllm.TurboQuantCodec`) as the decode kernel
+    reads it: (token, head) rows of row_bytes in the uint8 field `slot`, the packed codes first (`bits` per
+    value, kvquant's packing), then fp16 stats. kind "mse": 3 / 4-bit keys, Lloyd-Max centroids
+    (`slot_levels`) times the fp16 norm, the centroid vector renormalized first when norm_correction (the
+    _nc presets), in the frame of the layer's rotation; "fp8": k8v4's E4M3 keys, no scale; "affine": values,
+    code * fp16 scale + fp16 zero."""
+
+    kind: str = "affine"
+    row_bytes: int = 0
+    code_bytes: int = 0
+    norm_correction: bool = False
+
+
+def _slot_layout(codec: TurboQuantCodec) -> SlotKernelLayout:
+    p, d = codec.preset, codec.head_dim
+    if codec.role == "k":
+        kind = "fp8" if p.key_bits == 8 else "mse"
+        bits, row = p.key_bits, p.key_bytes(d)
+    else:
+        kind, bits, row = "affine", p.value_bits, p.value_bytes(d)
+    return SlotKernelLayout(bits=bits, symmetric=kind != "affine", channel_extent=d, kind=kind, row_bytes=row,
+                            code_bytes=-(-d * bits // 8), norm_correction=kind == "mse" and p.norm_correction)
+
+
+@dataclass(frozen=True)
 class DecodeParts:
     """A codec as the decode kernel serves it: the base codec whose codes it dequantizes, plus the
     transforms around it that it undoes in place (decode order: outliers written, then the offset added).
@@ -170,6 +196,8 @@ def decode_layout(codec) -> KernelLayout | None:
         return engine_layout(codec)
     if isinstance(codec, VLLMCodec):
         return _vllm_layout(codec)
+    if isinstance(codec, TurboQuantCodec):
+        return _slot_layout(codec)
     if isinstance(codec, CodebookCodec) and codec.levels is not None:
         e = codec.extent
         return CodebookKernelLayout(
@@ -193,6 +221,10 @@ def decode_frame(codec, device, registry=None) -> KernelFrame | None:
         order = _device_constant(registry, ("engine_order", lay.engine, codec.head_dim), device,
                                  lambda: torch.tensor(engine_order(lay, codec.head_dim), dtype=torch.long))
         return KernelFrame(codec, hadamard=codec.rotation or 0, order=order)
+    if isinstance(lay, SlotKernelLayout) and lay.kind == "mse":  # keys stored in the layer's rotated frame
+        signs = _device_constant(registry, ("tq_signs", codec.head_dim, codec.layer), device,
+                                 lambda: tq_signs(codec.head_dim, codec.layer).clone())
+        return KernelFrame(codec, signs=signs)
     if lay is not None:
         return KernelFrame(codec)
     if isinstance(codec, RotationCodec) and decode_layout(codec.inner) is not None:
@@ -244,6 +276,18 @@ def engine_levels(lay: EngineKernelLayout, device, registry=None, dtype=None):
     values = ENGINE_KERNEL_FORMATS[lay.engine][5]
     return _device_constant(registry, ("engine_levels", lay.engine, dtype), device,
                             lambda: table_for(torch.tensor(values, dtype=torch.float32), dtype, "cpu"))
+
+
+def slot_levels(codec: TurboQuantCodec, device, registry=None, dtype=None):
+    """The kernel's table of a TurboQuant key's Lloyd-Max centroids for N(0, 1/D) (`tq_centroids`, fp32
+    values; fp16 bits for fp16 / bf16 attention), made once per registry, device and dtype."""
+    from .codebook import table_for
+
+    dtype = dtype or torch.float16
+    d, bits = codec.head_dim, codec.preset.key_bits
+    return _device_constant(registry, ("tq_levels", d, bits, dtype), device,
+                            lambda: table_for(torch.tensor(tq_centroids(d, bits), dtype=torch.float32), dtype,
+                                              "cpu"))
 
 
 def describe_unserved(codec, device) -> str | None:

@@ -111,6 +111,7 @@ __all__ = [
     "tq_quantize_key",
     "tq_quantize_value",
     "tq_rotation",
+    "tq_signs",
     "vllm_cache_scheme",
     "vllm_dequantize",
     "vllm_quantize",
@@ -351,9 +352,16 @@ def tq_rotation(head_dim: int, layer: int) -> torch.Tensor:
     while h.shape[0] < head_dim:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     h = h / math.sqrt(head_dim)
+    return (tq_signs(head_dim, layer).unsqueeze(1) * h).contiguous()
+
+
+@functools.lru_cache(maxsize=256)
+def tq_signs(head_dim: int, layer: int) -> torch.Tensor:
+    """The (D,) +-1 fp32 signs of a layer's rotation: `generate_wht_signs(D, 42 + 1337 * layer)` (a CPU
+    generator). PiT = diag(signs) H, so y = x PiT = H (signs * x): `kvquant.codecs.transforms.rotate`'s R x
+    with these signs (the decode kernel's frame for TurboQuant keys). Cached: never write to it."""
     gen = torch.Generator(device="cpu").manual_seed(TQ_SEED + layer * TQ_LAYER_SEED_STRIDE)
-    signs = torch.randint(0, 2, (head_dim,), generator=gen, device="cpu").float() * 2 - 1
-    return (signs.unsqueeze(1) * h).contiguous()
+    return torch.randint(0, 2, (head_dim,), generator=gen, device="cpu").float() * 2 - 1
 
 
 def _fp16_le(v: torch.Tensor) -> torch.Tensor:
