@@ -76,6 +76,30 @@ def _w32_to_f16x4(w, ASM: tl.constexpr):
         return c0, c1, c2, c3
 
 
+# the 4-bit codes of four bytes as bf16 128 + code (bf16 0x4300 = 128, ulp 1 up to 256): `_u8_to_f16`'s
+# nibble PTX with bf16's exponent byte; outputs (code of byte 0, byte 1) and (byte 2, byte 3) as bf16x2
+NIB_BF16_LO_ASM = ("{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+                   "lop3.b32 $0, t0, 0x000f000f, 0x43004300, 0xea; "
+                   "lop3.b32 $1, t1, 0x000f000f, 0x43004300, 0xea; }")
+NIB_BF16_HI_ASM = ("{ .reg .b32 t0, t1; prmt.b32 t0, $2, 0, 0x4140; prmt.b32 t1, $2, 0, 0x4342; "
+                   "shr.b32 t0, t0, 4; shr.b32 t1, t1, 4; "
+                   "lop3.b32 $0, t0, 0x000f000f, 0x43004300, 0xea; "
+                   "lop3.b32 $1, t1, 0x000f000f, 0x43004300, 0xea; }")
+_NIB_BF16_LO: tl.constexpr = tl.constexpr(NIB_BF16_LO_ASM)
+_NIB_BF16_HI: tl.constexpr = tl.constexpr(NIB_BF16_HI_ASM)
+
+
+@triton.jit
+def _u8_nib_bf16(p, HIGH: tl.constexpr):
+    """uint8 (any shape) -> bf16 128 + (p's low or high nibble), exactly; compiled only (the interpreter has
+    no bf16 arithmetic: its bf16 attention takes the fp32 path)."""
+    if HIGH:
+        out = tl.inline_asm_elementwise(_NIB_BF16_HI, "=r,=r,r", [p], dtype=tl.bfloat16, is_pure=True, pack=4)
+    else:
+        out = tl.inline_asm_elementwise(_NIB_BF16_LO, "=r,=r,r", [p], dtype=tl.bfloat16, is_pure=True, pack=4)
+    return out
+
+
 @triton.jit
 def _codes(p, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, BIAS: tl.constexpr,
            OUT: tl.constexpr, ASM: tl.constexpr):
@@ -87,6 +111,10 @@ def _codes(p, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, BIAS: 
     subtraction of 2^m + BIAS, exact, leaves c - BIAS (BIAS: a symmetric spec's code offset, else 0)."""
     if OUT == tl.float16 and BITS == 8:
         return _u8_to_f16(p, 0, ASM) - (1024.0 + BIAS)
+    elif OUT == tl.bfloat16 and BITS == 4 and ASM:  # bf16x2 arithmetic from here on (compiled only)
+        lo = _u8_nib_bf16(p, False)
+        hi = _u8_nib_bf16(p, True)
+        return tl.reshape(tl.join(lo, hi), (BLOCK_T, D)) - (128.0 + BIAS)
     elif OUT == tl.float16 and BITS == 4:
         lo = _u8_to_f16(p, 5, ASM)
         hi = _u8_to_f16(p, 4, ASM)

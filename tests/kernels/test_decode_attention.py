@@ -132,6 +132,46 @@ def test_bf16_and_scaling(device):
     check(layer, query(layer, 3, torch.bfloat16, device), torch.bfloat16, scaling=0.3)
 
 
+BF16_INT4 = [("int4-g64", "int4-g32"), ("int4-channel-g32", "int4"), ("int4-g32-center", "int4-g64-out1"),
+             ("int4-head", "int4-channel-g16")]
+
+
+@pytest.mark.parametrize("k,v", BF16_INT4, ids=[f"{k}+{v}" for k, v in BF16_INT4])
+def test_bf16_asymmetric_int4(k, v, device):
+    """Compiled, asymmetric 4-bit codes in bf16 take bf16x2 arithmetic (`kernels.codes.NIB_BF16_*_ASM`,
+    codes as bf16 128 + c): groups, channel-wise rows, per-token (folded), -center and -outP; here the
+    interpreter's fp32 path (it has no bf16 arithmetic), on a GPU the bf16x2 one."""
+    layer = make_paged_layer(k=k, v=v, dtype=torch.bfloat16, device=device, sink=2, body=128, recent=5,
+                             recent_offset=3, share=True, block_size=64)
+    check(layer, query(layer, 3, torch.bfloat16, device), torch.bfloat16)
+
+
+@pytest.mark.parametrize("high", [False, True])
+def test_bf16_nibble_ptx_gives_every_code(high):
+    """The bf16 nibble PTX (no GPU has run it yet), evaluated instruction by instruction: lane i of output j
+    is bf16 0x4300 | nibble (128 + code) of byte 2j + i, low or high nibble, for every byte value."""
+    import numpy as np
+    from kvquant.kernels.codes import NIB_BF16_HI_ASM, NIB_BF16_LO_ASM
+    from ptx_model import run_ptx
+
+    g = np.random.default_rng(1)
+    words = np.concatenate([np.arange(256, dtype=np.uint32) * 0x01010101,
+                            g.integers(0, 2**32, 4096, dtype=np.uint64).astype(np.uint32)])
+    lanes = _run_words(NIB_BF16_HI_ASM if high else NIB_BF16_LO_ASM, words, run_ptx)
+    for j in range(4):  # output j // 2, lane j % 2 holds byte j's nibble
+        byte = (words >> np.uint32(8 * j)) & 0xFF
+        nib = (byte >> np.uint32(4)) if high else byte & np.uint32(15)
+        np.testing.assert_array_equal(lanes[j], 0x4300 | nib, err_msg=f"byte {j}")
+
+
+def _run_words(asm: str, words, run_ptx):
+    """run_ptx for an asm with two 32-bit outputs $0, $1 (input $2): their four 16-bit lanes, in order."""
+    body = asm.strip().strip("{}").replace("$0", "o0").replace("$1", "o1").replace("$2", "$8")
+    outs = run_ptx("{ .reg .b32 o0, o1; " + body + "; mov.b32 {$0, $1}, o0; mov.b32 {$2, $3}, o1; }",
+                   {8: words})
+    return [outs[i] for i in range(4)]
+
+
 def test_many_splits_agree_with_one(device):
     layer = make_paged_layer(b=1, h_kv=1, sink=0, body=304, recent=0, dtype=torch.float32, device=device)
     q = query(layer, 2, torch.float32, device)
