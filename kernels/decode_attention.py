@@ -173,10 +173,12 @@ def _load_body(
         BIAS: tl.constexpr = (1 << (BITS - 1)) if SYM and not LUT else 0
         # fp16: codes and dequantization in fp16 (packed HFMA2); bf16 and fp32: in fp32 (the interpreter has
         # no bf16 arithmetic), then one rounding to OUT (codes stay exact: |c| <= 255)
-        # compiled bf16, asymmetric 4-bit codes: bf16x2 arithmetic as fp16's (128 + c is exact in bf16;
-        # a symmetric scale / qmax would round to bf16 first, so those keep fp32)
+        # compiled bf16, asymmetric 4-bit codes with bf16 scales and zeros: bf16x2 arithmetic as fp16's
+        # (128 + c is exact in bf16; a symmetric scale / qmax, or an fp16 / fp32 scale, would round to bf16
+        # first, so those keep fp32)
         BF16X2: tl.constexpr = (OUT == tl.bfloat16 and ASM and BITS == 4 and not LUT and FMT == 0 and not SYM
-                                and SLOT == 0)
+                                and s_ptr.dtype.element_ty == tl.bfloat16
+                                and z_ptr.dtype.element_ty == tl.bfloat16)
         MATH: tl.constexpr = tl.float16 if OUT == tl.float16 else tl.bfloat16 if BF16X2 else tl.float32
         if LUT:  # codebook: the level of each code, in MATH
             F32: tl.constexpr = OUT == tl.float32  # an fp32 table, looked up generically
