@@ -65,9 +65,10 @@ SCHEMES = {  # report name: (K spec, V spec)
     "nuq2-g64": ("nuq2-g64", "nuq2-g64"),
     "nuq3": ("nuq3", "nuq3"),  # one scale per token: folded into scores and probabilities
     "nuq3-sym-head": ("nuq3-head-sym", "nuq3-head-sym"),  # no zero, absmax scale per (token, head)
-    # the best <= 3-bit recipe's kernel part (k=nuq3-channel-g64-prerope,v=int2-g64-rot without -prerope,
-    # whose keys the kernel does not rotate yet, and -rot, which runs outside the kernel)
+    # the best <= 3-bit recipe's kernel part (k=nuq3-channel-g64-prerope,v=int2-g64-rot without -prerope
+    # and -rot, which run outside the kernel), and with its keys' RoPE applied in the kernel
     "kvquant-3b": ("nuq3-channel-g64", "int2-g64"),
+    "kvquant-3b-prerope": ("nuq3-channel-g64-prerope", "int2-g64"),
     # -center (the key offset added back, one row per 64 tokens) and -outP (exact values written in place)
     "int4-g64-kcenter": ("int4-g64-center", "int4-g64"),
     "int4-g64-out1": ("int4-g64-out1", "int4-g64-out1"),  # 2 outliers per (token, head) at D=128
@@ -91,8 +92,8 @@ SCHEMES = {  # report name: (K spec, V spec)
     "tq-k8v4": ("vllm:turboquant_k8v4.k", "vllm:turboquant_k8v4.v"),
 }
 # the codebook, -center and -outP variants (`--subset codebook`)
-CODEBOOK = ("nuq4-g64", "nuq3-g64", "nuq2-g64", "nuq3", "nuq3-sym-head", "kvquant-3b", "int4-g64-kcenter",
-            "int4-g64-out1", "nuq3-g64-kcenter")
+CODEBOOK = ("nuq4-g64", "nuq3-g64", "nuq2-g64", "nuq3", "nuq3-sym-head", "kvquant-3b", "kvquant-3b-prerope",
+            "int4-g64-kcenter", "int4-g64-out1", "nuq3-g64-kcenter")
 # the GGUF block and vLLM variants (`--subset engine`)
 ENGINE = ("q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "mxfp4", "nvfp4", "vllm-int8-pth", "vllm-fp8-pth",
           "tq-4bit-nc", "tq-3bit-nc", "tq-k8v4")
@@ -142,6 +143,19 @@ def body_bytes_per_64(spec_text: str, h_kv: int, d: int, dtype) -> int:
     return int(sum(f.nbytes(64) / f.heads for f in codec.fields().values()))
 
 
+def _codec(spec_text: str, h_kv: int, d: int, dtype):
+    """The codec of a report spec: stand-in codebook levels (`kernels.testing.demo_levels`), and for a
+    `-prerope` key a default RoPE (theta 10,000; the kernel does not depend on the frequencies)."""
+    import torch
+    from kvquant.kernels.testing import with_demo_levels
+
+    from kvquant.codecs.base import codec_for
+    from kvquant.rope import Rope
+
+    rope = Rope(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))) if "prerope" in spec_text else None
+    return with_demo_levels(codec_for(spec_text, h_kv, d, dtype, rope=rope))
+
+
 def call_variant(v: Variant, device: str = "cpu", body: int = 4096, with_ref: bool = False):
     """The decode launcher's call for this variant, on a stand-in paged layer (inside compile_only
     nothing runs): B=1, `body` body tokens, and 4 sink + 130 recent tokens (offset 5) when v.fp.
@@ -157,8 +171,9 @@ def call_variant(v: Variant, device: str = "cpu", body: int = 4096, with_ref: bo
 
     # a page holds whole token groups (channel-wise scales, -center offsets), as the cache's block size does
     bs = math.lcm(16, *(codec_for(s, h_kv, v.head_dim, dtype).token_group for s in (k_spec, v_spec)))
+    k_codec, v_codec = (_codec(s, h_kv, v.head_dim, dtype) for s in (k_spec, v_spec))
     layer = make_paged_layer(b=1, h_kv=h_kv, d=v.head_dim, sink=4 if v.fp else 0, body=body,
-                             recent=130 if v.fp else 0, recent_offset=5 if v.fp else 0, k=k_spec, v=v_spec,
+                             recent=130 if v.fp else 0, recent_offset=5 if v.fp else 0, k=k_codec, v=v_codec,
                              dtype=dtype, block_size=bs, spare=0, device=device)
     q = torch.randn(1, h_q, 1, v.head_dim, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
     mask = torch.ones(1, layer.shape[2], dtype=torch.bool, device=device)

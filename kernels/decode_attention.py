@@ -82,6 +82,7 @@ from .layouts import (
     decode_parts,
     device_levels,
     engine_levels,
+    rope_table,
     slot_levels,
 )
 from .registry import KernelRegistry, default_registry
@@ -94,8 +95,9 @@ BLOCK_T = 64  # tokens per loop iteration
 SPLIT_BLOCK = 32  # splits merged per reduce iteration (a constant, so the split count never recompiles)
 
 # runtime integers that change during a decode: never part of the compiled variant
-_SPLIT_DNS = ["S", "R", "R_OFF", "T_BODY", "B_OFF", "N_BODY_SPLITS", "NSPLIT", "BODY_CHUNK", "FP_CHUNK",
-              "s_stb", "s_stn", "s_rtb", "s_rtn", "s_btb", "s_btn", "s_mb"]  # s_mt: 1 for every (B, T) mask
+_SPLIT_DNS = ["S", "R", "R_OFF", "T_BODY", "B_OFF", "B_START", "N_BODY_SPLITS", "NSPLIT", "BODY_CHUNK",
+              "FP_CHUNK", "s_stb", "s_stn", "s_rtb", "s_rtn", "s_btb", "s_btn",
+              "s_mb"]  # s_mt: 1 for every (B, T) mask
 _REDUCE_DNS = ["NSPLIT", "s_ob"]
 
 
@@ -122,6 +124,7 @@ def _load_body(
     SYM: tl.constexpr, TE: tl.constexpr, CE: tl.constexpr, SHARED: tl.constexpr, IDX64: tl.constexpr,
     OUT: tl.constexpr, ASM: tl.constexpr, FMT: tl.constexpr, UNIT: tl.constexpr, LUT: tl.constexpr,
     CENTER: tl.constexpr = 0, OUTK: tl.constexpr = 0, ENG: tl.constexpr = 0, SLOT: tl.constexpr = 0,
+    ROPE: tl.constexpr = False,
 ):
     """Body tokens at pages pg (BLOCK_T,) int32, slots slot (BLOCK_T,) of KV head h ->
     (x (BLOCK_T, D) in OUT, s, z (BLOCK_T,) fp32).
@@ -244,7 +247,7 @@ def _load_body(
             if not SYM:
                 z = _stat(z_ptr, srow, valid, SYM, BITS, tl.float32, True)
             x = c
-            if CENTER + OUTK > 0:  # the transforms need the values: dequantize (no folding)
+            if CENTER + OUTK > 0 or ROPE:  # the transforms need the values: dequantize (no folding)
                 x = c * s.to(MATH)[:, None]
                 if not SYM:
                     x = x + z.to(MATH)[:, None]
@@ -307,7 +310,24 @@ def _load_body(
                     orow = orow.to(tl.int64)
                 off = tl.load(o_ptr + orow[:, None] * D + offs_d[None, :], mask=valid[:, None], other=0.0)
                 x = x + off.to(MATH)
-    return x.to(OUT), s, z
+    if not ROPE:  # (RoPE follows, in fp32: one rounding to OUT after it)
+        x = x.to(OUT)
+    return x, s, z
+
+
+@triton.jit
+def _rope(x, cs_ptr, pos, valid, BLOCK_T: tl.constexpr, D: tl.constexpr, OUT: tl.constexpr):
+    """Keys x (BLOCK_T, D) at positions pos (BLOCK_T,) -> rotated as the model rotates them (rotate-half
+    RoPE: (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), c and s of frequency i for channels i and i + D / 2),
+    in fp32, then rounded to OUT. cs_ptr: `kernels.layouts.rope_table`, (P, D), cos then sin (fp32; fp16 for
+    bf16 attention)."""
+    H: tl.constexpr = D // 2
+    off = pos[:, None] * D + tl.arange(0, H)[None, :]  # (BLOCK_T, H)
+    c = tl.load(cs_ptr + off, mask=valid[:, None], other=0.0).to(tl.float32)
+    s = tl.load(cs_ptr + off + H, mask=valid[:, None], other=0.0).to(tl.float32)
+    x1, x2 = tl.split(tl.permute(tl.reshape(x.to(tl.float32), (BLOCK_T, 2, H)), (0, 2, 1)))
+    y = tl.join(x1 * c - x2 * s, x2 * c + x1 * s)  # (BLOCK_T, H, 2)
+    return tl.reshape(tl.permute(y, (0, 2, 1)), (BLOCK_T, D)).to(OUT)
 
 
 @triton.jit
@@ -376,11 +396,11 @@ def _paged_split_kernel(
     fpk_ptr, fpv_ptr,  # FP pools (P_fp, H_kv, BS, D), contiguous
     stab_ptr, s_stb, s_stn, S,  # sink region: table (B, n) int64, length (offset 0)
     rtab_ptr, s_rtb, s_rtn, R, R_OFF,  # recent region: table, length, offset
-    btab_ptr, s_btb, s_btn, T_BODY, B_OFF,  # body region: table, length, offset
+    btab_ptr, s_btb, s_btn, T_BODY, B_OFF, B_START,  # body region: table, length, offset, first position
     kc_ptr, ks_ptr, kz_ptr, kl_ptr,  # K body pools: codes (or values), scale, zero; contiguous; levels
-    ko_ptr, kov_ptr, koi_ptr,  # K's -center offset, -outP values and indices (when K_CENTER / K_OUT)
+    ko_ptr, kov_ptr, koi_ptr, kr_ptr,  # K's -center offset, -outP values and indices; -prerope cos | sin
     vc_ptr, vs_ptr, vz_ptr, vl_ptr,  # V body pools; codebook levels (2^bits,) when V_LUT
-    vo_ptr, vov_ptr, voi_ptr,
+    vo_ptr, vov_ptr, voi_ptr, vr_ptr,
     mask_ptr, s_mb, s_mt,  # key_mask (B, T) as uint8; s_mb = 0 for a broadcast (1, T) mask
     m_ptr, l_ptr, acc_ptr,  # partials (B * H_kv, NSPLIT, G[, D]), contiguous fp32
     N_BODY_SPLITS, NSPLIT, BODY_CHUNK, FP_CHUNK, qk_scale,
@@ -391,6 +411,7 @@ def _paged_split_kernel(
     K_FMT: tl.constexpr, K_UNIT: tl.constexpr, V_FMT: tl.constexpr, V_UNIT: tl.constexpr,
     K_LUT: tl.constexpr, V_LUT: tl.constexpr, K_ENG: tl.constexpr, V_ENG: tl.constexpr,
     K_SLOT: tl.constexpr, V_SLOT: tl.constexpr, K_NC: tl.constexpr, V_NC: tl.constexpr,
+    K_ROPE: tl.constexpr, V_ROPE: tl.constexpr,
     K_CENTER: tl.constexpr, K_OUT: tl.constexpr, V_CENTER: tl.constexpr, V_OUT: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_BODY: tl.constexpr, HAS_FP: tl.constexpr, DOT_FP32: tl.constexpr,
     BODY_STAGES: tl.constexpr, FP_STAGES: tl.constexpr, W: tl.constexpr,
@@ -414,9 +435,9 @@ def _paged_split_kernel(
     none = tl.zeros((BLOCK_T,), tl.float32)
     # a per-token scale is folded, unless a transform needs the dequantized values (-center, -outP)
     K_FOLD: tl.constexpr = (K_BITS < 16 and K_TE == 1 and K_CE == D and not K_UNIT and K_CENTER + K_OUT == 0
-                            and K_ENG == 0)
+                            and K_ENG == 0 and not K_ROPE)
     V_FOLD: tl.constexpr = (V_BITS < 16 and V_TE == 1 and V_CE == D and not V_UNIT and V_CENTER + V_OUT == 0
-                            and V_ENG == 0)
+                            and V_ENG == 0 and not V_ROPE)
     m_i = tl.full((W, G_PAD), float("-inf"), tl.float32)
     l_i = tl.zeros((W, G_PAD), tl.float32)
     acc = tl.zeros((W, D, G_PAD), tl.float32)
@@ -443,11 +464,15 @@ def _paged_split_kernel(
                 k, ks, kz = _load_body(kc_ptr, ks_ptr, kz_ptr, kl_ptr, ko_ptr, kov_ptr, koi_ptr, ktab, pg,
                                        slot, h, valid, tab_row, s_btn, t0, hi, B_OFF, H_KV, D, BLOCK_T, BS,
                                        K_BITS, K_SYM, K_TE, K_CE, K_SHARED, IDX64, cdt, ASM, K_FMT, K_UNIT,
-                                       K_LUT, K_CENTER, K_OUT, K_ENG, K_SLOT)
+                                       K_LUT, K_CENTER, K_OUT, K_ENG, K_SLOT, K_ROPE)
                 v, vs, vz = _load_body(vc_ptr, vs_ptr, vz_ptr, vl_ptr, vo_ptr, vov_ptr, voi_ptr, vtab, pg,
                                        slot, h, valid, tab_row, s_btn, t0, hi, B_OFF, H_KV, D, BLOCK_T, BS,
                                        V_BITS, V_SYM, V_TE, V_CE, V_SHARED, IDX64, cdt, ASM, V_FMT, V_UNIT,
-                                       V_LUT, V_CENTER, V_OUT, V_ENG, V_SLOT)
+                                       V_LUT, V_CENTER, V_OUT, V_ENG, V_SLOT, V_ROPE)
+                if K_ROPE:  # -prerope keys: RoPE at each key's position, after decoding
+                    k = _rope(k, kr_ptr, B_START + r, valid, BLOCK_T, D, cdt)
+                if V_ROPE:
+                    v = _rope(v, vr_ptr, B_START + r, valid, BLOCK_T, D, cdt)
                 m_i, l_i, acc = _attend(q, qsum, k, ks, kz, v, vs, vz, valid, m_i, l_i, acc, qk_scale,
                                         K_FOLD, K_SYM, V_FOLD, V_SYM, W, DOT_FP32, K_NC)
     else:
@@ -578,16 +603,17 @@ _FP8_FORMATS = {"e4m3": 1, "e5m2": 2}
 
 
 def _body_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: int, bs: int, like,
-               registry=None):
-    """(codes, scale, zero, levels, offset, out_values, out_index) pools and (BITS, SYM, TE, CE, SHARED, FMT,
-    UNIT, LUT, CENTER, OUTK) of one body (`_base_args`, plus the `-center` / `-outP` fields around the base
-    codec, `kernels.layouts.decode_parts`); dummies when absent."""
+               registry=None, positions: int = 0):
+    """(codes, scale, zero, levels, offset, out_values, out_index, rope) pools and (BITS, SYM, TE, CE, SHARED,
+    FMT, UNIT, LUT, ENG, SLOT, NC, CENTER, OUTK, ROPE) of one body (`_base_args`, plus the `-center` /
+    `-outP` fields around the base codec and a `-prerope` key's cos / sin table for positions below
+    `positions`, `kernels.layouts.decode_parts`); dummies when absent."""
     base, extra = _base_args(None if codec is None else decode_parts(codec).base, pages, h_kv, d, bs, like,
                              registry)
     if codec is None:
-        return (*base, like, like, like), (*extra, 0, 0)
+        return (*base, like, like, like, like), (*extra, 0, 0, False)
     parts = decode_parts(codec)
-    offset = vals = index = like
+    offset = vals = index = table = like
     if parts.center:
         offset = pages["offset"]
         _check_pool("offset", offset, (h_kv, bs // parts.center, d), like)
@@ -597,7 +623,10 @@ def _body_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: in
         vals, index = pages["out_values"], pages["out_index"]
         for name, t in (("out_values", vals), ("out_index", index)):
             _check_pool(name, t, (h_kv, bs, parts.outliers), like)
-    return (*base, offset, vals, index), (*extra, parts.center, parts.outliers)
+    if parts.rope is not None:
+        table = rope_table(parts.rope, positions, like.device, registry,  # (P, D): cos | sin
+                           torch.float16 if like.dtype == torch.bfloat16 else torch.float32)
+    return (*base, offset, vals, index, table), (*extra, parts.center, parts.outliers, parts.rope is not None)
 
 
 def _base_args(codec, pages: Mapping[str, torch.Tensor] | None, h_kv: int, d: int, bs: int, like,
@@ -754,7 +783,7 @@ class _Splits:
 
 # the per-codec constants `_body_args` returns, in its order; the split kernel takes them as K_* and V_*
 _CODEC_CONSTS = ("BITS", "SYM", "TE", "CE", "SHARED", "FMT", "UNIT", "LUT", "ENG", "SLOT", "NC", "CENTER",
-                 "OUT")
+                 "OUT", "ROPE")
 
 
 def _check_query(query: torch.Tensor) -> tuple[int, int, int]:
@@ -842,10 +871,11 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
     bsz, h_q, d = _check_query(query)
     ext = _extent(query, fp_k, fp_v, key_pages, key_codec, value_codec, sink, body, recent)
     registry = registry or default_registry()
+    b_start = int(getattr(body, "start", ext.s_len)) if ext.t_body else 0  # position of body token 0
     kb, k_consts = _body_args(key_codec if ext.t_body else None, key_pages, ext.h_kv, d, ext.bs, query,
-                              registry)
+                              registry, b_start + ext.t_body)
     vb, v_consts = _body_args(value_codec if ext.t_body else None, value_pages, ext.h_kv, d, ext.bs, query,
-                              registry)
+                              registry, b_start + ext.t_body)
     g, bh = h_q // ext.h_kv, bsz * ext.h_kv
     splits = _splits(bh, ext, num_splits, query.device)
     mask, s_mb, s_mt, has_mask = _mask_arg(key_mask, bsz, ext.total, query)
@@ -864,14 +894,16 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
     fpk, fpv = (fp_k, fp_v) if ext.has_fp else (query, query)
     if idx64 is None:  # (the self-check's probe passes the checked call's, to compile the same variant)
         idx64 = max(t.numel() for t in (fpk, fpv, *kb, *vb)) >= 2**31
-    num_warps = num_warps or (4 if d <= 128 else 8)  # D=256 on 4 warps spills (255 registers)
+    # D=256 on 4 warps spills (255 registers), and so do bf16 -prerope keys (fp32 keys and their cos / sin)
+    rope_bf16 = k_consts[_CODEC_CONSTS.index("ROPE")] and query.dtype == torch.bfloat16
+    num_warps = num_warps or (4 if d <= 128 and not rope_bf16 else 8)
     consts = _constants(query, ext, g, k_consts, v_consts, has_mask, idx64, num_warps, body_stages, fp_stages)
     args = (
         q3, *q3.stride()[:2],
         fpk, fpv,
         st[0], st[1], st[2], ext.s_len,
         rt[0], rt[1], rt[2], ext.r_len, int(recent.offset) if ext.r_len else 0,
-        btab[0], btab[1], btab[2], ext.t_body, int(body.offset) if ext.t_body else 0,
+        btab[0], btab[1], btab[2], ext.t_body, int(body.offset) if ext.t_body else 0, b_start,
         *kb, *vb,
         mask, s_mb, s_mt,
         m, l_, acc,
@@ -1151,9 +1183,10 @@ def decode_attention_ref(
         region = {"sink": sink, "body": body, "recent": recent}[part]
         if _length(region) == 0:
             continue
-        if part == "body":
-            k = key_codec.decode(_gather_fields(key_pages, key_codec, region), dtype)
-            v = value_codec.decode(_gather_fields(value_pages, value_codec, region), dtype)
+        if part == "body":  # decode_at: a position-dependent codec (-prerope keys) needs the body's start
+            start = getattr(region, "start", _length(sink))
+            k = key_codec.decode_at(_gather_fields(key_pages, key_codec, region), start, dtype)
+            v = value_codec.decode_at(_gather_fields(value_pages, value_codec, region), start, dtype)
         else:
             k, v = gather_region(fp_k, region).to(dtype), gather_region(fp_v, region).to(dtype)
         keys.append(k.expand(bsz, -1, -1, -1))

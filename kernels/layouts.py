@@ -8,6 +8,8 @@
     `-crot` around either          the inner codec, frame x M       `KernelFrame(matrix=M)`
     `-center` / `-outP` around     the inner codec's fields, plus   `decode_parts`: the offset added back,
       either (no `-rot` between)   offset / out_values, out_index   the outliers written at their indices
+    `-prerope` keys around any of  the inner codec's fields         `decode_parts.rope`: RoPE at each key's
+      these with the model's frame                                  position, after decoding (in the kernel)
     GGUF blocks (`llama.cpp:*`,    `EngineKernelLayout`: the        llama.cpp's rotation (`hadamard`) and
       `mxfp4`, `nvfp4`)            `blocks` bytes in place          the kernel's channel order (`order`)
     vLLM `fp8_per_token_head`,     `FP8KernelLayout` / `SignedInt8KernelLayout`: codes + a per-(token,
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvquant.codecs.base import CodebookCodec, KernelLayout
+from kvquant.codecs.base import CodebookCodec, KernelLayout, PreRopeCodec
 from kvquant.codecs.calibrot import CalibRotationCodec
 from kvquant.codecs.engine import IQ4_NL_VALUES, MXFP4_VALUES, EngineCodec
 from kvquant.codecs.engine_vllm import TurboQuantCodec, VLLMCodec, tq_centroids, tq_signs
@@ -38,7 +40,7 @@ from kvquant.codecs.transforms import CenterCodec, KernelFrame, OutlierCodec, Ro
 
 __all__ = ["CodebookKernelLayout", "DecodeParts", "ENGINE_KERNEL_FORMATS", "EngineKernelLayout",
            "SignedInt8KernelLayout", "SlotKernelLayout", "decode_layout", "decode_frame", "decode_parts",
-           "device_levels", "describe_unserved", "engine_levels", "engine_order", "slot_levels"]
+           "device_levels", "describe_unserved", "engine_levels", "engine_order", "rope_table", "slot_levels"]
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,7 @@ class DecodeParts:
     base: object
     center: int = 0
     outliers: int = 0
+    rope: object | None = None  # -prerope: the model's `kvquant.rope.Rope`, applied after decoding
 
 
 def decode_parts(codec) -> DecodeParts:
@@ -175,12 +178,14 @@ def decode_parts(codec) -> DecodeParts:
     A `-rot` between them stops the peeling (its frame would need the offset rotated): that base has no
     layout, so the codec takes the reference path."""
     center = outliers = 0
-    c = codec
+    c, rope = codec, None
+    if isinstance(c, PreRopeCodec):  # outermost: RoPE at each key's position, after everything else
+        c, rope = c.inner, c.rope
     if isinstance(c, CenterCodec):
         center, c = c.n, c.inner
     if isinstance(c, OutlierCodec):
         outliers, c = c.k, c.inner
-    return DecodeParts(c, center, outliers)
+    return DecodeParts(c, center, outliers, rope)
 
 
 def decode_layout(codec) -> KernelLayout | None:
@@ -213,6 +218,9 @@ def decode_frame(codec, device, registry=None) -> KernelFrame | None:
     (llama.cpp's rotation when the codec has it, and the kernel's channel order) and vLLM codecs, and `-rot`
     / `-crot` around one of these (served in the rotated frame). registry: where the device copies of an
     order are kept (the cache's `KernelRegistry`), so a decode step makes none."""
+    if isinstance(codec, PreRopeCodec):  # RoPE pairs the model's channels: the inner frame must be theirs
+        inner = decode_frame(codec.inner, device, registry) if codec.rope is not None else None
+        return KernelFrame(codec) if inner is not None and inner.identity else None
     frame = kernel_frame(codec, device)
     if frame is not None:
         return frame
@@ -288,6 +296,26 @@ def slot_levels(codec: TurboQuantCodec, device, registry=None, dtype=None):
     return _device_constant(registry, ("tq_levels", d, bits, dtype), device,
                             lambda: table_for(torch.tensor(tq_centroids(d, bits), dtype=torch.float32), dtype,
                                               "cpu"))
+
+
+def rope_table(rope, n: int, device, registry=None, dtype=torch.float32) -> torch.Tensor:
+    """(P, D) on `device`: cos then sin of `rope`'s D / 2 frequencies at positions 0 .. P - 1, P >= n (a
+    power of two, at least 4096), computed by `Rope.cos_sin` on the device in fp32, so the values are those
+    the reference path multiplies by; in `dtype` (fp32; fp16 for bf16 attention, whose keys round to bf16,
+    8 times coarser, and whose kernel would spill holding fp32 tables); kept on the registry and remade
+    larger only when a position passes P."""
+    store = getattr(registry, "constants", None)
+    key = ("rope", id(rope), str(device), dtype)
+    held = store.get(key) if store is not None else None
+    if held is not None and held[0] is rope and held[1].shape[0] >= n:
+        return held[1]
+    cap = max(4096, 1 << max(n - 1, 1).bit_length())
+    cos, sin = rope.cos_sin(0, cap, torch.float32, device)  # (P, D), halves equal
+    half = cos.shape[1] // 2
+    table = torch.cat((cos[:, :half], sin[:, :half]), dim=1).to(dtype).contiguous()
+    if store is not None:
+        store[key] = (rope, table)
+    return table
 
 
 def describe_unserved(codec, device) -> str | None:

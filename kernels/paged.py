@@ -15,7 +15,7 @@ import torch
 
 from kvquant.codecs.base import Codec, codec_for
 
-from .quantize_pack import quantize_pack_into_ref, write_fields
+from .quantize_pack import write_fields
 
 __all__ = ["Region", "PagedLayer", "make_paged_layer", "demo_levels", "with_demo_levels"]
 
@@ -23,11 +23,13 @@ __all__ = ["Region", "PagedLayer", "make_paged_layer", "demo_levels", "with_demo
 @dataclass
 class Region:
     """Tokens of a layer part: table (B, n_pages) int64 page ids in position order, offset (slot of the
-    first token in the first page), length (tokens, the same for every sequence)."""
+    first token in the first page), length (tokens, the same for every sequence), start (the position of
+    its first token, as `kvquant.paging.Region`'s)."""
 
     table: torch.Tensor
     offset: int
     length: int
+    start: int = 0
 
 
 @dataclass
@@ -123,13 +125,14 @@ def make_paged_layer(
         pools = {name: _garbage_pool((len(body_ids), f.heads, bs // f.tokens, f.cols), f.dtype, g)
                  for name, f in codec.fields().items()}
         if body:
-            quantize_pack_into_ref(rand(body) * scale, codec, pools, body_t, 0)
+            # encode_at: a position-dependent codec (-prerope keys) encodes the body at positions sink..
+            write_fields(pools, codec.encode_at(rand(body) * scale, sink), codec, body_t, 0)
         pages.append({k_: p.to(device) for k_, p in pools.items()})
     dev = lambda t: t.to(device)
     return PagedLayer(
         block_size=bs, fp_k=dev(fp_k), fp_v=dev(fp_v),
-        sink=Region(dev(sink_t), 0, sink), body=Region(dev(body_t), 0, body),
-        recent=Region(dev(rec_t), recent_offset, recent),
+        sink=Region(dev(sink_t), 0, sink), body=Region(dev(body_t), 0, body, sink),
+        recent=Region(dev(rec_t), recent_offset, recent, sink + body),
         key_codec=kc, value_codec=vc, key_pages=pages[0], value_pages=pages[1],
         shape=(b, h_kv, sink + body + recent, d),
     )

@@ -3,7 +3,8 @@ need.
 
 The cache receives keys after the model applied RoPE. A `-prerope` key spec stores them before it: the cache
 inverts the rotation at each key's position on the way in (`Rope.invert`), the codec quantizes the un-rotated
-key, and the reference attention path re-applies the rotation after decoding (`Rope.apply`). Quantization
+key, and the reference attention path re-applies the rotation after decoding (`Rope.apply`; the decode
+kernel applies it in place, from a table of `cos_sin`: `kvquant.kernels.layouts.rope_table`). Quantization
 then sees the channels' own statistics, which RoPE otherwise spins at a position-dependent rate (KVQuant,
 sec. 3.2).
 

@@ -48,7 +48,7 @@ def test_layer_paths_follow_backend_codecs_and_head_dim(caplog):
     odd = layer_paths("triton", CPU, k48, v48, 48, KernelHandle())
     assert odd.encode and not odd.attend  # head_dim 48: appends by the kernel, decode by the reference
     handle = KernelHandle()
-    pre = codec_for("int4-g32-prerope", 2, 64, torch.float32)  # no kernel reads pre-RoPE keys
+    pre = codec_for("int4-g32-prerope", 2, 64, torch.float32)  # pre-RoPE keys without the model's RoPE
     with caplog.at_level(logging.INFO, logger="kvquant"):
         assert layer_paths("triton", CPU, pre, v, 64, handle) is REFERENCE
         layer_paths("triton", CPU, pre, v, 64, handle)
@@ -77,7 +77,7 @@ def test_unserved_calls_and_layers_are_named():
     assert call_attends(q, bool_mask, 9) and not call_attends(q, bool_mask, 10)
 
 
-@pytest.mark.parametrize("scheme", ["int4-g32", "k=int4-g32-prerope,v=int8"])
+@pytest.mark.parametrize("scheme", ["int4-g32", "k=int4-g32-center-rot,v=int8"])
 def test_a_generate_decides_once_per_layer_and_once_per_call(monkeypatch, scheme):
     """Six generated tokens over two layers: `layer_paths` runs twice (once per layer), `uses_kernels` and
     its device check only inside it; `call_attends` once per forward of a layer the kernel serves (the

@@ -501,7 +501,9 @@ class CodebookCodec(Codec):
 class PreRopeCodec(Codec):
     """Keys stored before the rotary embedding (`-prerope`): `encode_at` un-rotates keys at their positions
     (`kvquant.rope.Rope.invert`, exact) and the wrapped codec encodes them; `decode_at` decodes and re-applies
-    RoPE. Fields are the wrapped codec's. No kernel serves it yet: attention takes the reference path."""
+    RoPE. Fields are the wrapped codec's. The decode kernel reads the wrapped codec's fields and applies RoPE
+    at each key's position in place (`kvquant.kernels.layouts.decode_parts`), when the wrapped codec is
+    read in the model's frame (no -rot inside); appends take `encode_at`."""
 
     def __init__(self, spec: QuantSpec, inner: Codec, rope=None):
         super().__init__(spec, inner.heads, inner.head_dim, inner.dtype)
@@ -539,7 +541,7 @@ class PreRopeCodec(Codec):
         return self.inner.codebook_values(self._rope().invert(x, start), start)
 
     def kernel_layout(self) -> None:
-        return None  # no kernel reads pre-RoPE keys yet (the cache logs the fallback once)
+        return None  # no pack kernel (the decode kernel reads it through kvquant.kernels.layouts)
 
     def batches_with(self, other: Codec) -> bool:
         return False

@@ -242,7 +242,8 @@ def test_the_self_check_probes_engine_variants(device, monkeypatch, caplog):
     good = KernelRegistry("t", self_check=SelfCheck(enabled=True))
     assert dispatch.fused_attention(q, layer, None, None, registry=good) is not None
     assert good.self_check.verdicts and not good.self_check.disabled()
-    monkeypatch.setattr(da, "_paged_split_kernel", WrongTable(da._paged_split_kernel, 22))  # kl_ptr
+    kl = da._paged_split_kernel.arg_names.index("kl_ptr")
+    monkeypatch.setattr(da, "_paged_split_kernel", WrongTable(da._paged_split_kernel, kl))
     bad = KernelRegistry("t", self_check=SelfCheck(enabled=True))
     with caplog.at_level(logging.WARNING, logger="kvquant.kernels"):
         for _ in range(2):
