@@ -14,6 +14,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from kernel_e2e import FlippedTable, check_matches_torch, generate_both
 from kvquant.kernels import codebook as cb
 from kvquant.kernels import decode_attention as da
 from kvquant.kernels import dispatch
@@ -252,23 +253,8 @@ def test_center_around_a_rotation_takes_the_reference_path(device):
 # ------------------------------------------------------------------------------- the self-check
 
 
-class WrongLevels:
-    """A wrong codebook kernel: the real split kernel, handed K's levels in reverse order."""
-
-    def __init__(self, kernel, index: int):
-        self.kernel, self.index, self.fn = kernel, index, kernel.fn
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            args = list(args)
-            args[self.index] = args[self.index].flip(0)
-            self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 def test_a_wrong_codebook_variant_is_caught_and_served_by_the_reference(device, monkeypatch, caplog):
-    kl = da._paged_split_kernel.arg_names.index("kl_ptr")
-    monkeypatch.setattr(da, "_paged_split_kernel", WrongLevels(da._paged_split_kernel, kl))
+    monkeypatch.setattr(da, "_paged_split_kernel", FlippedTable(da._paged_split_kernel))
     check = KernelRegistry("t", self_check=SelfCheck(enabled=True))
     layer = make_paged_layer(k="nuq3-g64", v="nuq4-g32", sink=2, body=64, recent=3, device=device)
     q = random_query(layer, 2, torch.float16, device)
@@ -313,34 +299,8 @@ def test_generate_codebook_with_kernels_matches_the_torch_backend(scheme, served
                                                                   monkeypatch, caplog, device):
     if device.type != "cpu":
         pytest.skip("the cache end to end runs under the interpreter here (on a GPU: gpu_check's e2e phase)")
-    from tiny_models import make_tiny_model
+    from tiny_models import make_tiny_config
 
-    import kvquant
-
-    model = make_tiny_model(seed=3, num_hidden_layers=2)
-    scheme = f"{scheme},calib={_calibration(tmp_path, scheme, model.config)}"
-    ids = torch.randint(1, 5000, (2, 21), generator=torch.Generator().manual_seed(0))
-
-    def run(backend):
-        cache = kvquant.QuantizedCache(scheme, model.config, backend=backend)
-        with torch.no_grad():
-            return model.generate(ids, cache=cache, max_new_tokens=5, min_new_tokens=5, do_sample=False,
-                                  output_logits=True, return_dict_in_generate=True)
-
-    ref = run("torch")
-    served = []
-    attend = dispatch.fused_attention
-
-    def spy(*args, **kwargs):
-        out = attend(*args, **kwargs)
-        served.append(out is not None)
-        return out
-
-    monkeypatch.setattr(dispatch, "fused_attention", spy)
-    with caplog.at_level(logging.INFO, logger="kvquant"):
-        got = run("triton")
-    assert torch.equal(got.sequences, ref.sequences)
-    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=0, atol=1e-4)
-    assert served.count(True) == 4 * served_layers  # every decode step of every served layer: the kernel
-    if fallback is not None:  # the unserved codec is named in the log
-        assert any(fallback in r.getMessage() for r in caplog.records)
+    scheme = f"{scheme},calib={_calibration(tmp_path, scheme, make_tiny_config(num_hidden_layers=2))}"
+    ref, got, served = generate_both(scheme, monkeypatch, caplog)
+    check_matches_torch(ref, got, served, 4 * served_layers, caplog, fallback)  # every served layer's steps

@@ -16,6 +16,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from kernel_e2e import FlippedTable, check_matches_torch, generate_both
 from kvquant.kernels import decode_attention as da
 from kvquant.kernels import dispatch
 from kvquant.kernels.codebook import lut_tables
@@ -219,20 +220,6 @@ def test_engine_frames_and_what_is_said(device):
 # ------------------------------------------------------------------------------- the self-check
 
 
-class WrongTable:
-    """A wrong GGUF kernel: the real split kernel, handed K's table of 16 values in reverse order."""
-
-    def __init__(self, kernel, index: int):
-        self.kernel, self.index, self.fn = kernel, index, kernel.fn
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            args = list(args)
-            args[self.index] = args[self.index].flip(0)
-            self.kernel[grid](*args, **kwargs)
-        return launch
-
-
 def test_the_self_check_probes_engine_variants(device, monkeypatch, caplog):
     """The probe builds for GGUF layouts (in their frames) and passes a right variant; a wrong table is
     caught, logged once, and the reference path serves."""
@@ -242,8 +229,7 @@ def test_the_self_check_probes_engine_variants(device, monkeypatch, caplog):
     good = KernelRegistry("t", self_check=SelfCheck(enabled=True))
     assert dispatch.fused_attention(q, layer, None, None, registry=good) is not None
     assert good.self_check.verdicts and not good.self_check.disabled()
-    kl = da._paged_split_kernel.arg_names.index("kl_ptr")
-    monkeypatch.setattr(da, "_paged_split_kernel", WrongTable(da._paged_split_kernel, kl))
+    monkeypatch.setattr(da, "_paged_split_kernel", FlippedTable(da._paged_split_kernel))
     bad = KernelRegistry("t", self_check=SelfCheck(enabled=True))
     with caplog.at_level(logging.WARNING, logger="kvquant.kernels"):
         for _ in range(2):
@@ -267,32 +253,5 @@ E2E = [
 def test_generate_engine_formats_with_kernels_matches_the_torch_backend(scheme, monkeypatch, caplog, device):
     if device.type != "cpu":
         pytest.skip("the cache end to end runs under the interpreter here (on a GPU: gpu_check's e2e phase)")
-    from tiny_models import make_tiny_model
-
-    import kvquant
-
-    model = make_tiny_model(seed=3, num_hidden_layers=2)
-    ids = torch.randint(1, 5000, (2, 21), generator=torch.Generator().manual_seed(0))
-
-    def run(backend):
-        cache = kvquant.QuantizedCache(scheme, model.config, backend=backend)
-        with torch.no_grad():
-            return model.generate(ids, cache=cache, max_new_tokens=5, min_new_tokens=5, do_sample=False,
-                                  output_logits=True, return_dict_in_generate=True)
-
-    ref = run("torch")
-    served = []
-    attend = dispatch.fused_attention
-
-    def spy(*args, **kwargs):
-        out = attend(*args, **kwargs)
-        served.append(out is not None)
-        return out
-
-    monkeypatch.setattr(dispatch, "fused_attention", spy)
-    with caplog.at_level(logging.INFO, logger="kvquant"):
-        got = run("triton")
-    assert torch.equal(got.sequences, ref.sequences)
-    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=0, atol=1e-4)
-    assert served.count(True) == 4 * 2  # every decode step of both layers went through the kernel
-    assert not [r for r in caplog.records if "no Triton kernel reads" in r.getMessage()]
+    ref, got, served = generate_both(scheme, monkeypatch, caplog)
+    check_matches_torch(ref, got, served, 4 * 2, caplog)  # every decode step of both layers in the kernel

@@ -140,43 +140,21 @@ def test_crot_without_its_matrix_is_not_served():
     assert decode_frame(codec_for("int4-g32-crot", 2, 64), torch.device("cpu")) is None
 
 
-def test_generate_crot_with_kernels_matches_the_torch_backend(tmp_path, monkeypatch, device):
+def test_generate_crot_with_kernels_matches_the_torch_backend(tmp_path, monkeypatch, caplog, device):
     if device.type != "cpu":
         pytest.skip("the cache end to end runs under the interpreter here (on a GPU: gpu_check's e2e phase)")
-    from tiny_models import make_tiny_model
+    from kernel_e2e import check_matches_torch, generate_both
+    from tiny_models import make_tiny_config
 
-    import kvquant
     from kvquant.calibration import entries_for, metadata, save_calibration
     from kvquant.memory import KVShape
     from kvquant.scheme import parse_scheme
 
-    model = make_tiny_model(seed=3, num_hidden_layers=2)
     scheme = "k=int4-g32-crot,v=int8-crot,sink=2,window=4"
-    shape = KVShape.from_config(model.config)
+    shape = KVShape.from_config(make_tiny_config(num_hidden_layers=2))
     path = tmp_path / "rot.safetensors"
     entries = entries_for(parse_scheme(f"{scheme},calib={path}"), shape.num_layers)
     tables = {e.name: _orthogonal(shape.head_dim, i) for i, e in enumerate(entries)}
     save_calibration(path, tables, metadata("tiny", shape, [scheme], entries))
-    scheme = f"{scheme},calib={path}"
-    ids = torch.randint(1, 5000, (2, 21), generator=torch.Generator().manual_seed(0))
-
-    def run(backend):
-        cache = kvquant.QuantizedCache(scheme, model.config, backend=backend)
-        with torch.no_grad():
-            return model.generate(ids, cache=cache, max_new_tokens=5, min_new_tokens=5, do_sample=False,
-                                  output_logits=True, return_dict_in_generate=True)
-
-    ref = run("torch")
-    served = []
-    attend = dispatch.fused_attention
-
-    def spy(*args, **kwargs):
-        out = attend(*args, **kwargs)
-        served.append(out is not None)
-        return out
-
-    monkeypatch.setattr(dispatch, "fused_attention", spy)
-    got = run("triton")
-    assert torch.equal(got.sequences, ref.sequences)
-    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=0, atol=1e-4)
-    assert served.count(True) == 4 * 2  # every decode step of both layers went through the kernel
+    ref, got, served = generate_both(f"{scheme},calib={path}", monkeypatch, caplog)
+    check_matches_torch(ref, got, served, 4 * 2, caplog)  # every decode step of both layers in the kernel

@@ -9,11 +9,9 @@ pages, sink + body + window, a mask over two splits), and `generate` end to end 
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
-from kvquant.kernels import dispatch
+from kernel_e2e import check_matches_torch, generate_both
 from kvquant.kernels.decode_attention import decode_attention
 from kvquant.kernels.layouts import (
     SignedInt8KernelLayout,
@@ -184,32 +182,5 @@ def test_generate_vllm_formats_with_kernels_matches_the_torch_backend(scheme, la
                                                                       device):
     if device.type != "cpu":
         pytest.skip("the cache end to end runs under the interpreter here (on a GPU: gpu_check's e2e phase)")
-    from tiny_models import make_tiny_model
-
-    import kvquant
-
-    model = make_tiny_model(seed=3, num_hidden_layers=layers)
-    ids = torch.randint(1, 5000, (2, 21), generator=torch.Generator().manual_seed(0))
-
-    def run(backend):
-        cache = kvquant.QuantizedCache(scheme, model.config, backend=backend)
-        with torch.no_grad():
-            return model.generate(ids, cache=cache, max_new_tokens=5, min_new_tokens=5, do_sample=False,
-                                  output_logits=True, return_dict_in_generate=True)
-
-    ref = run("torch")
-    served = []
-    attend = dispatch.fused_attention
-
-    def spy(*args, **kwargs):
-        out = attend(*args, **kwargs)
-        served.append(out is not None)
-        return out
-
-    monkeypatch.setattr(dispatch, "fused_attention", spy)
-    with caplog.at_level(logging.INFO, logger="kvquant"):
-        got = run("triton")
-    assert torch.equal(got.sequences, ref.sequences)
-    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=0, atol=1e-4)
-    assert served.count(True) == 4 * layers  # every decode step of every layer went through the kernel
-    assert not [r for r in caplog.records if "no Triton kernel reads" in r.getMessage()]
+    ref, got, served = generate_both(scheme, monkeypatch, caplog, layers=layers)
+    check_matches_torch(ref, got, served, 4 * layers, caplog)  # every decode step of every layer
