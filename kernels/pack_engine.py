@@ -140,26 +140,24 @@ def _ue4m3_value(u):
 
 @triton.jit
 def _best_fp4(x, d, tab_ptr):
-    """best_index_mxfp4: the first code i minimising |kvalues_mxfp4[i] * d - x| (strict <); NaN -> 0."""
-    best = tl.abs(tl.load(tab_ptr) * d - x)
-    code = tl.zeros(x.shape, tl.int32)
-    for i in tl.static_range(1, 16):
-        err = tl.abs(tl.load(tab_ptr + i) * d - x)
-        better = err < best
-        code = tl.where(better, i, code)
-        best = tl.where(better, err, best)
+    """best_index_mxfp4: the first code i minimising |kvalues_mxfp4[i] * d - x| (x, d: (NB,)), that is the
+    lowest index among equal errors; NaN -> 0."""
+    k = tl.arange(0, 16)[None, :]
+    xs = tl.where(x != x, 0.0, x)  # a NaN gets code 0 below; no NaN errors to reduce
+    err = tl.abs(tl.load(tab_ptr + k) * d[:, None] - xs[:, None])  # (NB, 16)
+    best = tl.min(err, axis=1)
+    code = tl.min(tl.where(err == best[:, None], k, 16), axis=1)
     return tl.where(x != x, 0, code)
 
 
 @triton.jit
 def _iq4_code(x, ident, tab_ptr):
-    """best_index_int8 of ident * x against kvalues_iq4nl: the number of midpoints (tab_ptr + 16: the sums of
-    neighbouring levels) that 2v has reached; ties go up, NaN gets 0."""
+    """best_index_int8 of ident * x against kvalues_iq4nl: the number of midpoints (tab_ptr + 16: the 15 sums
+    of neighbouring levels) that 2v has reached; ties go up, NaN gets 0. x, ident: (NB,)."""
+    k = tl.arange(0, 16)[None, :]
     v = ident * x
-    code = tl.zeros(x.shape, tl.int32)
-    for i in tl.static_range(15):
-        code += ((v + v) >= tl.load(tab_ptr + 16 + i)).to(tl.int32)
-    return code
+    reached = ((v + v)[:, None] >= tl.load(tab_ptr + 16 + k, mask=k < 15, other=0.0)) & (k < 15)
+    return tl.sum(reached.to(tl.int32), axis=1)
 
 
 @triton.jit

@@ -57,7 +57,7 @@ from .pack_layouts import PackParts, pack_parts
 from .registry import KernelRegistry, default_registry
 
 __all__ = ["quantize_pack", "quantize_pack_ref", "quantize_pack_into", "quantize_pack_into_ref",
-           "write_fields", "kernel_supports"]
+           "write_fields", "kernel_supports", "pool_differences", "random_pools"]
 
 _SCALE_KIND = {torch.float16: 0, torch.bfloat16: 1, torch.float32: 2}
 _MAX_TILE = 8192  # elements per program (fp32 registers); larger tokens/groups are split along D
@@ -655,6 +655,36 @@ def _launch_into(x, codec, pages, table, start, registry) -> bool:
                            plan.variant)
 
 
+def random_pools(codec, n_pages: int, block_size: int, generator: torch.Generator) -> dict[str, torch.Tensor]:
+    """Pools of random contents (so that a stray or missing write shows), one per codec field, on the CPU:
+    (n_pages, heads_f, block_size // tokens_f, cols_f); bytes uniform, floats in [0.5, 1.5)."""
+    pools = {}
+    for name, f in codec.fields().items():
+        shape = (n_pages, f.heads, block_size // f.tokens, f.cols)
+        if f.dtype == torch.uint8:
+            pools[name] = torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+        else:
+            pools[name] = (torch.rand(shape, generator=generator) + 0.5).to(f.dtype)
+    return pools
+
+
+def pool_differences(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]) -> list[str]:
+    """What differs between two sets of pools, field by field (NaN equals NaN in float fields; bytes are
+    compared as they are): empty when every pool is equal."""
+    problems = []
+    for name in want:
+        a, b = got[name], want[name].to(got[name].device)
+        if torch.equal(a, b):
+            continue
+        diff = (a != b) if not a.is_floating_point() else ~((a == b) | (a.isnan() & b.isnan()))
+        if not diff.any():
+            continue
+        where = tuple(int(i) for i in diff.nonzero()[0])
+        problems.append(f"{name}: {int(diff.sum())} of {diff.numel()} elements differ, first at (page, head, "
+                        f"row, col) {where}: kernel {a[where].item()}, reference {b[where].item()}")
+    return problems
+
+
 def _probe(codec, device, registry) -> str | None:
     """The first-use self-check of one pack variant (`KernelRegistry.trusted`): 2 sequences of a few token
     groups (a zero token, an outlier), written from mid-page through shuffled pages over garbage, by the
@@ -672,30 +702,13 @@ def _probe(codec, device, registry) -> str | None:
     n = -(-(start + t) // bs)
     ids = torch.randperm(2 * n + 1, generator=gen)
     table = ids[: 2 * n].view(2, n).to(device)
-    pools = {}
-    for name, f in codec.fields().items():
-        shape = (2 * n + 1, f.heads, bs // f.tokens, f.cols)
-        if f.dtype == torch.uint8:
-            pools[name] = torch.randint(0, 256, shape, generator=gen, dtype=torch.uint8)
-        else:
-            pools[name] = (torch.rand(shape, generator=gen) + 0.5).to(f.dtype)
+    pools = random_pools(codec, 2 * n + 1, bs, gen)
     got = {k: p.to(device) for k, p in pools.items()}
     want = {k: p.clone().to(device) for k, p in pools.items()}
     if not _launch_into(x, codec, got, table, start, registry):
         return None
     quantize_pack_into_ref(x, codec, want, table, start)
-    problems = []
-    for name in want:
-        a, b = got[name], want[name]
-        if torch.equal(a, b):
-            continue
-        diff = (a != b) if a.dtype == torch.uint8 else ~((a == b) | (a.isnan() & b.isnan()))
-        if not diff.any():
-            continue
-        where = tuple(int(i) for i in diff.nonzero()[0])
-        problems.append(f"{name}: {int(diff.sum())} of {diff.numel()} elements differ, first at (page, head, "
-                        f"row, col) {where}: kernel {a[where].item()}, reference {b[where].item()}")
-    return "; ".join(problems) or None
+    return "; ".join(pool_differences(got, want)) or None
 
 
 # ----------------------------------------------------------------------------------------------- public

@@ -1,15 +1,17 @@
 """Kernel checks for tests and benchmarks: random decode queries and the decode kernel against its `_ref`
 twin within the flash-attention bound, over the stand-in paged layers of `kvquant.kernels.paged` (whose
-names this module re-exports: tests build layers from here)."""
+names this module re-exports: tests build layers from here); appends through the pack kernels against
+theirs, bit for bit (`check_pack`)."""
 
 from __future__ import annotations
 
 import torch
 
 from .paged import PagedLayer, Region, demo_levels, make_paged_layer, with_demo_levels
+from .registry import KernelRegistry, SelfCheck
 
-__all__ = ["DECODE_ATOL", "PagedLayer", "Region", "check_decode", "demo_levels", "make_paged_layer",
-           "random_query", "with_demo_levels"]
+__all__ = ["DECODE_ATOL", "CountingRegistry", "PagedLayer", "Region", "check_decode", "check_pack",
+           "demo_levels", "make_paged_layer", "random_query", "with_demo_levels"]
 
 # tolerance added to the flash-attention bound |out - ref32| <= 2 |ref_same_dtype - ref32| + atol
 DECODE_ATOL = {torch.float16: 2e-4, torch.bfloat16: 2e-3, torch.float32: 2e-5}
@@ -36,3 +38,43 @@ def check_decode(layer: PagedLayer, q: torch.Tensor, dtype, **kw) -> None:
     err = (out.float() - ref32).abs().max().item()
     bound = 2 * (ref.float() - ref32).abs().max().item() + DECODE_ATOL[dtype]
     assert err <= bound, f"error {err:.3g} > bound {bound:.3g}"
+
+
+class CountingRegistry(KernelRegistry):
+    """A `KernelRegistry` that counts the launches it made, by kernel name (`launches`); no first-use
+    self-check unless given one."""
+
+    def __init__(self, name: str = "test", self_check: SelfCheck | None = None):
+        super().__init__(name, self_check or SelfCheck(enabled=False))
+        self.launches: dict[str, int] = {}
+
+    def launch(self, kernel, grid, args: tuple, kwargs: dict, variant) -> bool:
+        ok = super().launch(kernel, grid, args, kwargs, variant)
+        if ok:
+            name = getattr(getattr(kernel, "fn", None), "__name__", str(kernel))
+            self.launches[name] = self.launches.get(name, 0) + 1
+        return ok
+
+
+def check_pack(codec, x: torch.Tensor, start: int, block_size: int, device, seed: int = 0) -> str:
+    """Append x (B, H, t, D) to pages at region token `start` (mid-page when it is not a multiple of
+    block_size) through a shuffled page table, by the pack kernel (`kvquant.kernels.dispatch`'s entry, so
+    `-rot` is rotated first) and by its twin (`codec.encode` + index writes), into equal pools of random
+    contents: every pool equal bit for bit (NaN equals NaN in float fields), and written by the kernel, not
+    the reference. Returns the name of the kernel that served."""
+    from .dispatch import quantize_pack_into
+    from .quantize_pack import pool_differences, quantize_pack_into_ref, random_pools
+
+    b, t = x.shape[0], x.shape[2]
+    gen = torch.Generator().manual_seed(seed)
+    n = -(-(start + t) // block_size)
+    table = torch.randperm(b * n + 2, generator=gen)[: b * n].view(b, n)  # two spare pages: never written
+    want = random_pools(codec, b * n + 2, block_size, gen)
+    got = {k: p.clone().to(device) for k, p in want.items()}  # a copy even on the CPU
+    registry = CountingRegistry()
+    quantize_pack_into(x.to(device), codec, got, table.to(device), start, registry=registry)
+    quantize_pack_into_ref(x.cpu(), codec, want, table, start)
+    assert len(registry.launches) == 1, f"{codec.spec}: launched {registry.launches}, not one pack kernel"
+    problems = pool_differences({k: v.cpu() for k, v in got.items()}, want)
+    assert not problems, f"{codec.spec}: " + "; ".join(problems)
+    return next(iter(registry.launches))
