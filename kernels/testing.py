@@ -11,7 +11,7 @@ from .paged import PagedLayer, Region, demo_levels, make_paged_layer, with_demo_
 from .registry import KernelRegistry, SelfCheck
 
 __all__ = ["DECODE_ATOL", "CountingRegistry", "PagedLayer", "Region", "check_decode", "check_pack",
-           "demo_levels", "make_paged_layer", "random_query", "with_demo_levels"]
+           "demo_calibration", "demo_levels", "make_paged_layer", "random_query", "with_demo_levels"]
 
 # tolerance added to the flash-attention bound |out - ref32| <= 2 |ref_same_dtype - ref32| + atol
 DECODE_ATOL = {torch.float16: 2e-4, torch.bfloat16: 2e-3, torch.float32: 2e-5}
@@ -78,3 +78,18 @@ def check_pack(codec, x: torch.Tensor, start: int, block_size: int, device, seed
     problems = pool_differences({k: v.cpu() for k, v in got.items()}, want)
     assert not problems, f"{codec.spec}: " + "; ".join(problems)
     return next(iter(registry.launches))
+
+
+def demo_calibration(path, scheme: str, config) -> str:
+    """Write a calibration file at `path` with stand-in levels (`demo_levels`, a different scale per table)
+    for every codebook `scheme` needs on a model of `config`, as `experiments/calibrate.py` writes one;
+    returns the path as a string (for `calib=`)."""
+    from kvquant.calibration import entries_for, metadata, save_calibration
+    from kvquant.memory import KVShape
+    from kvquant.scheme import parse_scheme
+
+    shape = KVShape.from_config(config)
+    entries = entries_for(parse_scheme(f"{scheme},calib={path}"), shape.num_layers)
+    tables = {e.name: demo_levels(e.spec.bits) * (0.9 + 0.05 * i) for i, e in enumerate(entries)}
+    save_calibration(path, tables, metadata("tiny", shape, [scheme], entries))
+    return str(path)
