@@ -295,30 +295,28 @@ def _fill_outliers(x, valid, mask, AXIS: tl.constexpr, FILL: tl.constexpr):
 
 @triton.jit
 def _pack_rows(q, ROWS: tl.constexpr, COLS: tl.constexpr, BITS: tl.constexpr):
-    """(ROWS, COLS) int32 codes -> (ROWS, COLS * BITS // 8) bytes, lowest bits first (codecs.packing);
-    3 bits: (ROWS, COLS // 8) int32 words of 8 codes (24 bits), stored as 3 bytes by `_store_units`."""
-    if BITS == 3:
-        grouped = tl.reshape(q, (ROWS, COLS // 8, 8))
-        shifts = tl.arange(0, 8) * 3
-        return tl.sum(grouped << shifts[None, None, :], axis=2)  # disjoint bits: sum == or
-    PER: tl.constexpr = 8 // BITS
-    if PER == 1:
-        return q.to(tl.uint8)
+    """(ROWS, COLS) int32 codes -> (ROWS, COLS // UNIT) int32 packing units, lowest bits first
+    (codecs.packing): a byte of 8 // BITS codes, or (3 bits) a 24-bit word of 8 codes, which `_store_units`
+    stores as three bytes."""
+    UNIT: tl.constexpr = 8 if BITS == 3 else 8 // BITS
+    SHIFT: tl.constexpr = 3 if BITS == 3 else BITS
+    if UNIT == 1:
+        return q
     else:
-        grouped = tl.reshape(q, (ROWS, COLS // PER, PER))
-        shifts = tl.arange(0, PER) * BITS
-        return tl.sum(grouped << shifts[None, None, :], axis=2).to(tl.uint8)  # disjoint bits: sum == or
+        grouped = tl.reshape(q, (ROWS, COLS // UNIT, UNIT))
+        shifts = tl.arange(0, UNIT) * SHIFT
+        return tl.sum(grouped << shifts[None, None, :], axis=2)  # disjoint bits: sum == or
 
 
 @triton.jit
 def _store_units(ptrs, units, mask, BITS: tl.constexpr):
-    """Store packed units at their first byte's pointer: a byte each, or (3 bits) a 24-bit word as three
+    """Store packing units at their first byte's pointer: a byte each, or (3 bits) a 24-bit word as three
     bytes, little-endian."""
     if BITS == 3:
         for k in tl.static_range(3):
             tl.store(ptrs + k, ((units >> (8 * k)) & 255).to(tl.uint8), mask=mask)
     else:
-        tl.store(ptrs, units, mask=mask)
+        tl.store(ptrs, units.to(tl.uint8), mask=mask)
 
 
 _TOKEN_DNS = ["sxb", "scp", "sch", "ssp", "ssh", "tab_b", "tab_n", "START", "BS", "sob", "soh", "sot",

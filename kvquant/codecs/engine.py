@@ -67,6 +67,7 @@ is fp32 matrix arithmetic, whose summation order differs between backends: rotat
 llama.cpp build's in the last bit, and then a code; the blocks of given rows are gguf's exactly.
 
 No kernel reads these formats yet (`kernel_layout` is None): attention takes the PyTorch reference path.
+Appends with the Triton backend are packed by `kvquant.kernels.pack_engine` (these bytes, from `rows`).
 """
 
 from __future__ import annotations

@@ -84,7 +84,6 @@ PACK_SCHEMES = [  # (scheme, whether the decode kernel reads it too)
     ("k=nuq3-channel-g16-center16,v=nuq4-g32-out2,window=4", True),  # stand-in calibration levels
     ("k=int4-g32-center16-out1,v=fp8-e4m3-g32,sink=2", True),
     ("k=llama.cpp:q4_0,v=nvfp4,window=4", False),  # GGUF blocks: appends packed, attention the reference's
-    ("k=mxfp4,v=llama.cpp:q8_0-norot", False),
 ]
 
 
