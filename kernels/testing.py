@@ -59,9 +59,10 @@ class CountingRegistry(KernelRegistry):
 def check_pack(codec, x: torch.Tensor, start: int, block_size: int, device, seed: int = 0) -> str:
     """Append x (B, H, t, D) to pages at region token `start` (mid-page when it is not a multiple of
     block_size) through a shuffled page table, by the pack kernel (`kvquant.kernels.dispatch`'s entry, so
-    `-rot` is rotated first) and by its twin (`codec.encode` + index writes), into equal pools of random
-    contents: every pool equal bit for bit (NaN equals NaN in float fields), and written by the kernel, not
-    the reference. Returns the name of the kernel that served."""
+    `-rot` is rotated first) and by its twin (`codec.encode` + index writes, on the same device: the
+    encoder's torch steps are the device's), into equal pools of random contents: every pool equal bit for
+    bit (NaN equals NaN in float fields), and written by the kernel, not the reference. Returns the name of
+    the kernel that served."""
     from .dispatch import quantize_pack_into
     from .quantize_pack import pool_differences, quantize_pack_into_ref, random_pools
 
@@ -69,13 +70,15 @@ def check_pack(codec, x: torch.Tensor, start: int, block_size: int, device, seed
     gen = torch.Generator().manual_seed(seed)
     n = -(-(start + t) // block_size)
     table = torch.randperm(b * n + 2, generator=gen)[: b * n].view(b, n)  # two spare pages: never written
-    want = random_pools(codec, b * n + 2, block_size, gen)
-    got = {k: p.clone().to(device) for k, p in want.items()}  # a copy even on the CPU
+    pools = random_pools(codec, b * n + 2, block_size, gen)
+    got = {k: p.clone().to(device) for k, p in pools.items()}  # copies, even on the CPU
+    want = {k: p.clone().to(device) for k, p in pools.items()}
+    x, table = x.to(device), table.to(device)
     registry = CountingRegistry()
-    quantize_pack_into(x.to(device), codec, got, table.to(device), start, registry=registry)
-    quantize_pack_into_ref(x.cpu(), codec, want, table, start)
+    quantize_pack_into(x, codec, got, table, start, registry=registry)
+    quantize_pack_into_ref(x, codec, want, table, start)  # on the device: torch's mean, topk, matmul there
     assert len(registry.launches) == 1, f"{codec.spec}: launched {registry.launches}, not one pack kernel"
-    problems = pool_differences({k: v.cpu() for k, v in got.items()}, want)
+    problems = pool_differences(got, want)
     assert not problems, f"{codec.spec}: " + "; ".join(problems)
     return next(iter(registry.launches))
 
