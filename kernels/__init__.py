@@ -1,6 +1,9 @@
 """Triton kernels for the quantized KV cache; each has a PyTorch `_ref` twin in the same module.
 
-    quantize_pack       quantize + pack new K/V tokens straight into pages (bit-exact with codec.encode)
+    quantize_pack       quantize + pack new K/V tokens straight into pages (bit-exact with codec.encode):
+                        affine, FP8, codebooks, -center / -outP around them
+    pack_engine         the same for llama.cpp / GGUF block formats (q8_0 ... iq4_nl, mxfp4, nvfp4)
+    pack_layouts        which codecs the pack kernels append (no triton import; backend.py asks it)
     decode_attention    paged flash-decoding over sink | packed body | recent, GQA/MQA, bool key masks
     codebook            nuq2/3/4 level lookup inside decode_attention (PRMT tables in registers, compiled)
     layouts             which codecs decode_attention reads and how (no triton import; backend.py asks it)

@@ -130,6 +130,7 @@ class KernelResources:
     programs_per_sm: int
     loops: list[int] = field(default_factory=list)  # SASS instructions per warp per iteration, by address
     limit: str = ""  # what bounds programs_per_sm
+    instructions: int = 0  # SASS instructions of the whole kernel (straight-line kernels have no loops)
 
 
 def _tool(name: str) -> str:
@@ -213,9 +214,11 @@ def programs_per_sm(regs: int, smem: int, num_warps: int, dev: Device = H200) ->
 def _read(cubin: bytes, name: str, num_warps: int, shared: int) -> KernelResources:
     use = _res_usage(cubin)
     per_sm, limit = programs_per_sm(use["regs"], shared, num_warps)
+    sass = _sass(cubin)
     return KernelResources(
         name=name, num_warps=num_warps, regs=use["regs"], spill_bytes=max(use["local"], use["stack"]),
-        smem_bytes=shared, programs_per_sm=per_sm, loops=sass_loops(_sass(cubin)), limit=limit,
+        smem_bytes=shared, programs_per_sm=per_sm, loops=sass_loops(sass), limit=limit,
+        instructions=len(_INSTR.findall(sass)),
     )
 
 

@@ -393,7 +393,7 @@ def _attend(q, qsum, k, ks, kz, v, vs, vz, valid, m_i, l_i, acc, qk_scale,
 @triton.jit(do_not_specialize=_SPLIT_DNS)
 def _paged_split_kernel(
     q_ptr, s_qb, s_qh,  # query (B, H_q, D), last stride 1
-    fpk_ptr, fpv_ptr,  # FP pools (P_fp, H_kv, BS, D), contiguous
+    fpk_ptr, fpv_ptr,  # FP pools (P_fp, H_kv, FBS, D), contiguous
     stab_ptr, s_stb, s_stn, S,  # sink region: table (B, n) int64, length (offset 0)
     rtab_ptr, s_rtb, s_rtn, R, R_OFF,  # recent region: table, length, offset
     btab_ptr, s_btb, s_btn, T_BODY, B_OFF, B_START,  # body region: table, length, offset, first position
@@ -405,7 +405,7 @@ def _paged_split_kernel(
     m_ptr, l_ptr, acc_ptr,  # partials (B * H_kv, NSPLIT, G[, D]), contiguous fp32
     N_BODY_SPLITS, NSPLIT, BODY_CHUNK, FP_CHUNK, qk_scale,
     H_KV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BLOCK_T: tl.constexpr,
-    BS: tl.constexpr, IDX64: tl.constexpr,
+    BS: tl.constexpr, FBS: tl.constexpr, IDX64: tl.constexpr,
     K_BITS: tl.constexpr, K_SYM: tl.constexpr, K_TE: tl.constexpr, K_CE: tl.constexpr, K_SHARED: tl.constexpr,
     V_BITS: tl.constexpr, V_SYM: tl.constexpr, V_TE: tl.constexpr, V_CE: tl.constexpr, V_SHARED: tl.constexpr,
     K_FMT: tl.constexpr, K_UNIT: tl.constexpr, V_FMT: tl.constexpr, V_UNIT: tl.constexpr,
@@ -492,10 +492,10 @@ def _paged_split_kernel(
                     pos = tl.where(in_sink, u, u + T_BODY)
                     valid = valid & (tl.load(mask_row + pos * s_mt, mask=valid, other=0) != 0)
                 j = tl.where(in_sink, u, R_OFF + u - S).to(tl.uint32)
-                pidx = j // BS
+                pidx = j // FBS
                 tab = tl.where(in_sink, stab_row + pidx * s_stn, rtab_row + pidx * s_rtn)
                 pg = tl.load(tab, mask=valid, other=0).to(tl.int32)
-                row = (pg * H_KV + h) * BS + (j % BS).to(tl.int32)
+                row = (pg * H_KV + h) * FBS + (j % FBS).to(tl.int32)
                 if IDX64:
                     row = row.to(tl.int64)
                 fp_off = row[:, None] * D + offs_d[None, :]
@@ -760,7 +760,8 @@ class _Extent:
     t_body: int
     r_len: int
     h_kv: int
-    bs: int  # tokens per page
+    bs: int  # tokens per body page
+    fbs: int  # tokens per FP (sink and recent) page
 
     @property
     def total(self) -> int:
@@ -799,19 +800,22 @@ def _check_query(query: torch.Tensor) -> tuple[int, int, int]:
 
 
 def _extent(query, fp_k, fp_v, key_pages, key_codec, value_codec, sink, body, recent) -> _Extent:
-    """The regions' lengths and the pools' (H_kv, BS), checked: some token, GQA, FP pools of the query's
-    head_dim and device, a body offset and block size on each codec's token group."""
+    """The regions' lengths and the pools' (H_kv, BS, FBS), checked: some token, GQA, FP pools of the
+    query's head_dim and device, a body offset and block size on each codec's token group. FP pages may
+    hold fewer tokens (FBS) than body pages (BS)."""
     s_len, t_body, r_len = _length(sink), _length(body), _length(recent)
     if s_len + t_body + r_len == 0:
         raise ValueError("decode_attention: the layer holds no tokens")
     has_fp = s_len + r_len > 0
-    ref_pool = fp_k if has_fp else next(iter(key_pages.values()))
-    h_kv, bs = ref_pool.shape[1], ref_pool.shape[2]
+    name, kpool = next(iter(key_pages.items()))
+    bs = kpool.shape[2] * key_codec.fields()[name].tokens  # a field's pool holds BS // tokens_f rows
+    h_kv = fp_k.shape[1] if has_fp else kpool.shape[1]
+    fbs = fp_k.shape[2] if has_fp else bs
     if query.shape[1] % h_kv:
         raise ValueError(f"decode_attention: H_q={query.shape[1]} is not a multiple of H_kv={h_kv}")
     if has_fp:
         for name, pool in (("fp_k", fp_k), ("fp_v", fp_v)):
-            _check_pool(name, pool, (h_kv, bs, query.shape[3]), query)
+            _check_pool(name, pool, (h_kv, fbs, query.shape[3]), query)
             if pool.dtype not in _FLOAT:
                 raise TypeError(f"decode_attention: {name} must be float, got {pool.dtype}")
     if t_body:
@@ -820,7 +824,7 @@ def _extent(query, fp_k, fp_v, key_pages, key_codec, value_codec, sink, body, re
             if bs % te or int(body.offset) % te:
                 raise ValueError(f"decode_attention: block_size {bs} and the body offset must be multiples "
                                  f"of the token group {te}")
-    return _Extent(s_len, t_body, r_len, h_kv, bs)
+    return _Extent(s_len, t_body, r_len, h_kv, bs, fbs)
 
 
 def _splits(bh: int, ext: _Extent, num_splits: int | None, device: torch.device) -> _Splits:
@@ -843,7 +847,7 @@ def _constants(query: torch.Tensor, ext: _Extent, g: int, k_consts: tuple, v_con
     d = query.shape[3]
     return dict(
         H_KV=ext.h_kv, G=g, G_PAD=max(8, triton.next_power_of_2(g)),  # G_PAD: the N side of P V (mma n8)
-        D=d, BLOCK_T=BLOCK_T, BS=ext.bs, IDX64=idx64,
+        D=d, BLOCK_T=BLOCK_T, BS=ext.bs, FBS=ext.fbs, IDX64=idx64,
         **{f"K_{name}": c for name, c in zip(_CODEC_CONSTS, k_consts, strict=True)},
         **{f"V_{name}": c for name, c in zip(_CODEC_CONSTS, v_consts, strict=True)},
         HAS_MASK=has_mask, HAS_BODY=ext.t_body > 0, HAS_FP=ext.has_fp,
@@ -909,8 +913,8 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
         m, l_, acc,
         splits.n_body, splits.nsplit, splits.body_chunk, splits.fp_chunk, scale * _LOG2E,
     )
-    spec = _ProbeSpec(query.dtype, fpk.dtype, key_codec, value_codec, ext.h_kv, g, d, ext.bs, ext.t_body > 0,
-                      ext.has_fp, has_mask, num_warps, body_stages, fp_stages, idx64)
+    spec = _ProbeSpec(query.dtype, fpk.dtype, key_codec, value_codec, ext.h_kv, g, d, ext.bs, ext.fbs,
+                      ext.t_body > 0, ext.has_fp, has_mask, num_warps, body_stages, fp_stages, idx64)
     variant = _variant(query, fpk, kb, vb, consts, num_warps)
     if not _trusted(registry, variant, spec, query.device):
         return None
@@ -951,6 +955,7 @@ class _ProbeSpec:
     g: int
     d: int
     bs: int
+    fbs: int
     has_body: bool
     has_fp: bool
     has_mask: bool
@@ -975,7 +980,7 @@ def _probe(spec: _ProbeSpec, device, registry) -> str | None:
     layer = make_paged_layer(b=2, h_kv=spec.h_kv, d=spec.d, sink=2 if fp else 0, body=body,
                              recent=5 if fp else 0, recent_offset=3 if fp else 0, k=spec.key_codec,
                              v=spec.value_codec, dtype=spec.fp_dtype, block_size=spec.bs, spare=1, seed=1234,
-                             device=device)
+                             device=device, fp_block_size=spec.fbs)
     gen = torch.Generator().manual_seed(99)
     q = torch.randn(2, spec.h_kv * spec.g, 1, spec.d, generator=gen).to(spec.dtype).to(device)
     mask = None

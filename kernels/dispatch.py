@@ -23,10 +23,10 @@ import torch
 
 from kvquant.backend import attend_unserved, call_unserved, triton_runs_on
 from kvquant.codecs.quantize import QTensor, quantize
-from kvquant.codecs.transforms import kernel_frame
 from kvquant.scheme import QuantSpec
 
 from .decode_attention import decode_attention
+from .pack_layouts import pack_frame
 from .quantize_pack import quantize_pack as _quantize_pack_kernel
 from .quantize_pack import quantize_pack_into as _quantize_pack_into_kernel
 from .registry import KernelRegistry
@@ -47,10 +47,10 @@ def quantize_pack_into(x: torch.Tensor, codec, pages: Mapping[str, torch.Tensor]
     """Encode x (B, H_kv, t, D) with codec into the body pages at region tokens [start, start + t) of
     table (B, n_pages) int64 (see kvquant.kernels.quantize_pack.quantize_pack_into). Bit for bit
     `codec.encode(x)` written by index. Called where `kvquant.backend.layer_paths` chose it (x on a device
-    Triton runs on, a codec with a kernel layout). A rotated codec (`-rot` around a codec with a kernel
-    layout) is rotated here and packed by its inner codec's kernel."""
-    frame = kernel_frame(codec, x.device)
-    if frame is not None:  # a rotation around a kernel codec: rotate as codec.encode does, pack the inner's
+    Triton runs on, a codec the pack kernels serve: `kvquant.kernels.pack_layouts.pack_frame`). A rotated
+    codec (`-rot` around one) is rotated here and packed by its inner codec's kernel."""
+    frame = pack_frame(codec, x.device)
+    if frame is not None:  # a rotation around a packed codec: rotate as codec.encode does, pack the inner's
         x, codec = frame.into(x, codec.dtype), frame.codec
     return _quantize_pack_into_kernel(x, codec, pages, table, start, registry=registry)
 

@@ -37,7 +37,7 @@ class PagedLayer:
     """The attributes of kvquant.cache.LayerView that the kernels read."""
 
     block_size: int
-    fp_k: torch.Tensor  # (P_fp, H_kv, BS, D)
+    fp_k: torch.Tensor  # (P_fp, H_kv, FBS, D): FP pages may hold fewer tokens than body pages
     fp_v: torch.Tensor
     sink: Region
     body: Region
@@ -91,17 +91,18 @@ def make_paged_layer(
     k: str | Codec = "int4-g32", v: str | Codec = "int4-g32", dtype: torch.dtype = torch.float16,
     device="cpu",
     block_size: int = 16, recent_offset: int = 0, shuffle: bool = True, share: bool = False, seed: int = 0,
-    spare: int = 3,
+    spare: int = 3, fp_block_size: int | None = None,
 ) -> PagedLayer:
     """A random paged layer. body must be a multiple of both codecs' token groups. k, v: scheme texts,
     or codecs already built (the self-check's probes pass a variant's own; dtype is then the FP pools').
-    A codebook spec given as text gets `demo_levels`."""
+    A codebook spec given as text gets `demo_levels`. fp_block_size: tokens per FP (sink and recent) page,
+    default block_size (the cache's FP pages may be smaller than its body pages)."""
     g = torch.Generator().manual_seed(seed)
     kc = k if isinstance(k, Codec) else with_demo_levels(codec_for(k, h_kv, d, dtype))
     vc = v if isinstance(v, Codec) else with_demo_levels(codec_for(v, h_kv, d, dtype))
-    bs = block_size
+    bs, fbs = block_size, fp_block_size or block_size
     cdiv = lambda a, n: -(-a // n)
-    n_sink, n_body, n_rec = cdiv(sink, bs), cdiv(body, bs), cdiv(recent_offset + recent, bs)
+    n_sink, n_body, n_rec = cdiv(sink, fbs), cdiv(body, bs), cdiv(recent_offset + recent, fbs)
     fp_ids = list(range(b * (n_sink + n_rec) + spare))
     body_ids = list(range(b * n_body + spare))
     if shuffle:
@@ -111,7 +112,7 @@ def make_paged_layer(
     rec_t = _tables(b, n_rec, fp_ids[b * n_sink:], False)
     body_t = _tables(b, n_body, body_ids, share)
 
-    fp_shape = (len(fp_ids), h_kv, bs, d)
+    fp_shape = (len(fp_ids), h_kv, fbs, d)
     fp_k, fp_v = _garbage_pool(fp_shape, dtype, g), _garbage_pool(fp_shape, dtype, g)
     rand = lambda n: torch.randn(b, h_kv, n, d, generator=g).to(dtype)
     fp_codec = codec_for("fp16", h_kv, d, dtype)

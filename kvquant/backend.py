@@ -85,10 +85,10 @@ def layer_paths(backend: str, device: torch.device, key_codec, value_codec, head
     reference path for these codecs."""
     if not uses_kernels(backend, device):
         return REFERENCE
-    from .codecs.transforms import kernel_frame
+    from .kernels.pack_layouts import pack_frame
 
     codecs = (key_codec, value_codec)
-    encode = all(kernel_frame(c, device) is not None for c in codecs)
+    encode = all(pack_frame(c, device) is not None for c in codecs)
     attend = attend_unserved(key_codec, value_codec, head_dim, device) is None
     for codec in codecs:
         line = kernel_fallback(codec, device)  # names what the reference path serves, if any
@@ -150,10 +150,22 @@ def call_attends(query: torch.Tensor, attention_mask: torch.Tensor | None, kv_le
 
 def kernel_fallback(codec, device: torch.device) -> str | None:
     """The line to log (once per cache) for a codec the kernels do not fully serve, naming it and what takes
-    the reference path (attention and appends, or appends only); None when the kernels serve it all."""
-    from .kernels.layouts import describe_unserved
+    the reference path (attention, appends, or both); None when the kernels serve it all. Attention:
+    `kvquant.kernels.layouts` (its line, when the decode kernel does not read the codec); appends:
+    `kvquant.kernels.pack_layouts.pack_frame`."""
+    from .kernels.layouts import decode_frame, describe_unserved
+    from .kernels.pack_layouts import pack_frame
 
-    return describe_unserved(codec, device)
+    reads, packs = decode_frame(codec, device) is not None, pack_frame(codec, device) is not None
+    if reads and packs:
+        return None
+    if not reads and not packs:
+        return describe_unserved(codec, device)
+    if reads:
+        return (f"{codec.spec}: decode attention runs in the Triton kernel; appends take the codec's PyTorch "
+                "encoder (no quantize+pack kernel for it yet; the same bits)")
+    return (f"{codec.spec}: appends are quantized and packed by the Triton kernel; no Triton kernel reads "
+            "this codec yet, so the PyTorch reference path serves its attention")
 
 
 class KernelHandle:

@@ -11,7 +11,7 @@ of the class that matches what the layer stores (as transformers' cache_utils an
 Both share `QuantizedLayer` (`QuantizedLayer(scheme, sliding_window=...)` makes the right one). A layer's
 tokens sit in position order as three regions of pages, kept by the store (`kvquant.paging.regions`):
 
-    sink    the first `scheme.sink` tokens, unquantized               FP pages (P, H_kv, block_size, D)
+    sink    the first `scheme.sink` tokens, unquantized               FP pages (P, H_kv, fp_block_size, D)
     body    encoded once by the spec's codec (packed codes, scales)   codec pages, K and V under one page id
     recent  the last tokens, unquantized: at least `scheme.window`,   FP pages (the same pool as the sink)
             plus any tokens whose token group is not complete yet

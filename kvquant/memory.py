@@ -6,8 +6,9 @@ A quantized spec stores per token and head d*bits/8 bytes of codes plus its scal
 codec's fields declare (`kvquant.codecs.base`):
     token: 1 per token      head: H_kv per token      group-N: H_kv*d/N per token
     channel-N: H_kv*d per N tokens
-The cache stores pages of block_size tokens, so `cache_bytes` rounds each region (sink, body, recent
-window) up to whole pages, exactly as the store holds them; `bytes_per_token` is the steady-state rate
+The cache stores pages (body pages of block_size tokens, raised to whole token groups; FP sink and window
+pages of the requested block_size), so `cache_bytes` rounds each region (sink, body, recent window) up to
+whole pages, exactly as the store holds them; `bytes_per_token` is the steady-state rate
 (full pages). A sliding-window layer holds only the pages its window still reaches.
 """
 
@@ -222,7 +223,7 @@ def _shared_layout(
     plan = LayerPlan.build(
         scheme, heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=dtype, block_size=block_size
     )
-    bs = plan.block_size
+    bs, fbs = plan.block_size, plan.fp_block_size
     prefix = min(shared_prefix, context - 1)  # a request computes at least its last token
     sink = plan.sink
     if prefix < sink or prefix <= 0:
@@ -230,8 +231,8 @@ def _shared_layout(
     fp_page, body_page = plan.page_bytes()
     resume = sink + (prefix - sink) // bs * bs
     body_len = plan.quantized_end(resume) - min(sink, resume)
-    shared = -(-sink // bs) * fp_page + body_len // bs * body_page
-    window = ((resume - sink) // bs - body_len // bs) * fp_page
+    shared = -(-sink // fbs) * fp_page + body_len // bs * body_page
+    window = ((resume - sink) // fbs - body_len // fbs) * fp_page
     full_layers = shape.num_layers - len(shape.sliding_layers)
     return full_layers * shared, full_layers * window
 

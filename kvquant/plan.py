@@ -10,9 +10,13 @@ many FP pages can this layer ever hold at once" asks the plan:
     body     positions [sink, quantized_end(n))  codec pages  encoded once, in multiples of flush_step
     window   positions [quantized_end(n), n)     FP pages     at least `window`, plus an incomplete group
 
-Tokens of the body and the window share one logical page numbering (body token i sits in logical page
-i // block_size), so a window page is freed once all its tokens are encoded. A sliding layer releases the
-pages before `dropped(n)`.
+Body pages hold `block_size` tokens: the requested page size raised to a multiple of every codec's token
+group (a channel-wise group of 64 tokens makes 64-token pages). FP pages hold `fp_block_size` tokens, the
+requested size itself (it divides block_size), so a 4-token sink and a window of about `window` tokens are
+not rounded up to the codecs' groups. Tokens of the body and the window share one numbering (body token i
+sits in body page i // block_size and in window page i // fp_block_size; each body page spans
+block_size // fp_block_size window pages), so a window page is freed once all its tokens are encoded. A
+sliding layer releases the pages before `dropped(n)`.
 """
 
 from __future__ import annotations
@@ -39,7 +43,8 @@ class LayerPlan:
     """The storage rule and sizes of one decoder layer (see the module docstring).
 
     scheme: the layer's uniform scheme as stored (sink 0 on a sliding layer).
-    block_size: tokens per page, the requested size raised to a multiple of every codec's token group.
+    block_size: tokens per body page, the requested size raised to a multiple of every codec's token group.
+    fp_block_size: tokens per FP (sink and window) page: the requested size, which divides block_size.
     """
 
     scheme: Scheme
@@ -114,6 +119,10 @@ class LayerPlan:
             return 0
         return max(num_tokens - self.sliding_window + 1, 0) // self.block_size * self.block_size
 
+    @property
+    def fp_block_size(self) -> int:
+        return self.requested_block_size
+
     # ---- page formats and sizes
 
     def fp_fields(self, dtype: torch.dtype | None = None) -> dict[str, Field]:
@@ -127,7 +136,7 @@ class LayerPlan:
 
     def page_bytes(self, dtype: torch.dtype | None = None) -> tuple[int, int]:
         """(FP page, body page) bytes at `dtype` (default the plan's: what the pools hold)."""
-        fp = sum(f.nbytes(self.block_size) for f in self.fp_fields(dtype).values())
+        fp = sum(f.nbytes(self.fp_block_size) for f in self.fp_fields(dtype).values())
         if dtype is None or dtype == self.dtype:
             kc, vc = self.key_codec, self.value_codec
         else:
@@ -137,13 +146,13 @@ class LayerPlan:
 
     def pages_for(self, num_tokens: int) -> tuple[int, int]:
         """(FP pages, body pages) one sequence holds after num_tokens tokens, as the store holds them."""
-        bs, s = self.block_size, self.sink
+        bs, fbs, s = self.block_size, self.fp_block_size, self.sink
         sink = min(s, num_tokens)
         body_end = self.quantized_end(num_tokens)
         dropped = self.dropped(num_tokens)
         body_lo, body_hi = max(dropped - s, 0), max(body_end - s, 0)
         recent_lo, recent_hi = max(body_end, dropped) - s, num_tokens - s
-        fp = _pages(0, sink, bs) + _pages(recent_lo, recent_hi, bs)
+        fp = _pages(0, sink, fbs) + _pages(recent_lo, recent_hi, fbs)
         return fp, _pages(body_lo, body_hi, bs)
 
     def bytes_for(self, num_tokens: int, dtype: torch.dtype | None = None) -> int:
@@ -156,9 +165,9 @@ class LayerPlan:
     def max_fp_pages(self) -> int:
         """The most FP pages one sequence holds at any time: the sink's, and a window of at most
         window + flush_step - 1 tokens over consecutive pages (none for a scheme with neither)."""
-        bs = self.block_size
+        fbs = self.fp_block_size
         recent = self.window + self.flush_step - 1
-        return -(-self.sink // bs) + (0 if recent <= 0 else -(-recent // bs) + 1)
+        return -(-self.sink // fbs) + (0 if recent <= 0 else -(-recent // fbs) + 1)
 
     def body_pages(self, num_tokens: int) -> int:
         """Body pages one sequence needs for num_tokens tokens (what `capacity=` preallocates)."""

@@ -24,7 +24,8 @@ _NOT_KVQUANT_ATTENTION = (
 class LayerView:
     """One layer's stored K/V as attention reads it: regions sink | body | recent, in position order.
 
-    fp_k, fp_v: FP pool tensors (P, H_kv, block_size, D); `sink` and `recent` index them.
+    fp_k, fp_v: FP pool tensors (P, H_kv, fp_block_size, D); `sink` and `recent` index them.
+    block_size: tokens per body page (FP pages may hold fewer: `kvquant.plan.LayerPlan`).
     key_pages / value_pages: the body pool's fields per codec {name: (P, heads_f, block_size // tokens_f,
     cols_f)}; `body` indexes both (K and V of a token share a page id).
     shape: (B, H_kv, T, D) of the tokens in the view; `start` is the position of the first one (non-zero only

@@ -41,15 +41,17 @@ def _run(model, ids, cache, chunks: list[int] | int | None = None, **kwargs) -> 
 
 def _held_bytes(layer: QuantizedLayer) -> int:
     """Bytes of the pages a layer's tables hold, counted from its state: sink, body and recent pages
-    (every sequence its own pages: no sharing in these tests)."""
+    (every sequence its own pages: no sharing in these tests). FP pages hold the requested block size,
+    body pages the size raised to the codecs' token groups."""
     if not layer.is_initialized:
         return 0
-    bs = layer.block_size
+    bs, fbs = layer.block_size, layer.fp_pool.block_size
+    assert fbs == layer.requested_block_size and bs % fbs == 0
     sink_end = layer.sink_len
     body_lo, body_hi = max(layer.dropped - layer.scheme.sink, 0), layer.body_len
     rec_lo = max(layer.scheme.sink + layer.body_len, layer.dropped) - layer.scheme.sink
     rec_hi = layer.length - layer.scheme.sink
-    fp = _plan_pages(0, sink_end, bs) + _plan_pages(rec_lo, rec_hi, bs)
+    fp = _plan_pages(0, sink_end, fbs) + _plan_pages(rec_lo, rec_hi, fbs)
     body = _plan_pages(body_lo, body_hi, bs)
     return layer.batch_size * (fp * layer.fp_pool.page_bytes + body * layer.body_pool.page_bytes)
 

@@ -22,11 +22,10 @@ CASES = [("hash", "lru"), ("radix", "lru"), ("radix", "radix-lru"), ("hash", "sl
 def _versions(pu: PageUnit, store: KVStore):
     """(pool, page) of every page of a unit's versions."""
     out = []
-    for which in ("body", "fp"):
-        ids = getattr(pu, which)
-        if ids is not None:
-            pools = (lp.body if which == "body" else lp.fp for lp in store.layers)
-            out += list(zip(pools, ids, strict=True))
+    if pu.body is not None:
+        out += list(zip((lp.body for lp in store.layers), pu.body, strict=True))
+    if pu.fp is not None:  # FP pages per layer (several when FP pages are smaller than a body page)
+        out += [(lp.fp, page) for lp, pages in zip(store.layers, pu.fp, strict=True) for page in pages]
     return out
 
 
@@ -58,13 +57,18 @@ class Workload:
     def _prompt(self) -> list[tuple[int, ...]]:
         return [(self.rng.randrange(3),) for _ in range(self.rng.randint(1, 8))]
 
-    def _alloc(self, which: str, held: list) -> tuple[int, ...]:
-        """A page per layer (under the budget: it may evict, or raise with what it took already in held)."""
+    def _alloc(self, which: str, held: list) -> tuple:
+        """A body page per layer, or one or two FP pages per layer (an FP copy spans the unit's FP pages
+        still held), under the budget: it may evict, or raise with what it took already in held."""
         out = []
+        n = self.rng.randint(1, 2)
         for lp in self.store.layers:
             pool = lp.body if which == "body" else lp.fp
-            out.append(pool.allocate())
-            held.append((pool, out[-1]))
+            pages = []
+            for _ in range(1 if which == "body" else n):
+                pages.append(pool.allocate())
+                held.append((pool, pages[-1]))
+            out.append(pages[0] if which == "body" else tuple(pages))
         return tuple(out)
 
     def _new_pages(self, held: list) -> PageUnit:

@@ -95,7 +95,7 @@ def _feed(engine: Engine, cache, prompt: list[int], how: str, cuts: list[int]) -
     spec=st.sampled_from(SPECS),
     window=st.sampled_from([0, 5, 16, 20, 37]),
     sink=st.sampled_from([0, 3]),
-    block_size=st.sampled_from([16, 32]),
+    block_size=st.sampled_from([16, 32, 24]),  # 24: channel-g16 body pages of 48, FP pages of 24
     index=st.sampled_from(["hash", "radix"]),
     how=st.sampled_from(["one", "chunks", "tokens"]),
     length=st.integers(8, 72),
@@ -108,6 +108,9 @@ def _feed(engine: Engine, cache, prompt: list[int], how: str, cuts: list[int]) -
 )
 # the cases, always run: one forward of 30 (sink 0 and 3), and a chunk that flushes past a window page
 @example("int4-g32", 20, 0, 16, "radix", "one", 30, [], 0, 1, 2, 1, 31)
+# FP pages of 24 under body pages of 48, a window of 5 flushed 16 at a time: the window's first FP page of a
+# unit is released while the unit's last is still held
+@example("int4-channel-g16", 5, 3, 24, "hash", "chunks", 72, [43, 60], 1, 0, 0, 2, 7)
 @example("int4-g32", 20, 3, 16, "hash", "one", 32, [], 0, 1, 3, 1, 31)
 @example("int8", 5, 0, 16, "radix", "chunks", 40, [20], 1, 0, 0, 2, 32)
 def test_every_hit_is_bit_identical_to_a_recompute_or_not_taken(

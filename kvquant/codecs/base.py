@@ -462,10 +462,16 @@ class CodebookCodec(Codec):
         xn = torch.where(s > 0, (blocks - z) / s, torch.zeros_like(blocks))
         return xn, scale, zero, finite
 
+    def midpoints(self, device: torch.device) -> torch.Tensor:
+        """(2^bits - 1,) float32: the midpoints between neighbouring levels that `encode` bucketizes against
+        (a code is the number of midpoints strictly below x_n: a tie goes to the lower level)."""
+        levels = self._levels(device)
+        return (levels[1:] + levels[:-1]) / 2
+
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        levels = self._levels(x.device)
+        mids = self.midpoints(x.device)
         xn, scale, zero, finite = self.normalize(x.to(self.dtype))
-        codes = torch.bucketize(xn.contiguous(), (levels[1:] + levels[:-1]) / 2)  # nearest level
+        codes = torch.bucketize(xn.contiguous(), mids)  # nearest level
         codes = torch.where(finite, codes, 0).to(torch.uint8)
         scale = torch.where(finite, scale, torch.nan)
         out = {"codes": pack(self.extent.unblocks(codes, x.shape).contiguous(), self.spec.bits)}

@@ -68,7 +68,8 @@ llama.cpp build's in the last bit, and then a code; the blocks of given rows are
 
 The Triton decode kernel reads these blocks in place (`kvquant.kernels.engine_blocks`; which codec it reads
 and in which frame, llama.cpp's rotation included, is `kvquant.kernels.layouts.decode_frame`); `kernel_layout`
-stays None (no pack kernel: appends take `encode`), and the PyTorch reference path is this module.
+stays None. Appends with the Triton backend are packed by `kvquant.kernels.pack_engine` (these bytes, from
+`rows`); the PyTorch reference path is this module.
 """
 
 from __future__ import annotations
@@ -531,12 +532,15 @@ class EngineCodec(Codec):
         bt = self.block_type
         return {"blocks": Field(self.heads, 1, self.head_dim // bt.block * bt.type_size, torch.uint8)}
 
-    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        # (B, H, T, D) in the K/V dtype, then fp32 as llama.cpp copies F32 rows into the cache
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The rows the blocks quantize: x (B, H, T, D) in the K/V dtype, rotated as llama.cpp does
+        (`attn_rotate`, fp32) when it does; quantized as fp32, as llama.cpp copies F32 rows into the cache.
+        The kernel append (kvquant.kernels.pack_engine) takes its rows from here too."""
         x = x.to(self.dtype)
-        if self.rotation is not None:
-            x = attn_rotate(x, self.rotation)
-        return {"blocks": ggml_quantize(x, self.spec.engine).contiguous()}
+        return x if self.rotation is None else attn_rotate(x, self.rotation)
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"blocks": ggml_quantize(self.rows(x), self.spec.engine).contiguous()}
 
     def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         y = ggml_dequantize(fields["blocks"], self.spec.engine)  # (B, H, T, D) fp32

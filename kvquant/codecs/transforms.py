@@ -280,12 +280,20 @@ class CenterCodec(_Wrapper):
     def fields(self) -> dict[str, Field]:
         return {**self.inner.fields(), "offset": Field(self.heads, self.n, self.head_dim, self.dtype)}
 
+    def offsets(self, xf: torch.Tensor) -> torch.Tensor:
+        """xf (B, H, T, D) fp32 (K/V in the K/V dtype, as fp32) -> the stored offsets (B, H, T / N, D) in the
+        K/V dtype: each N tokens' mean, torch's fp32 reduction (the kernel append asks for it here)."""
+        b, h, t, d = xf.shape
+        return xf.reshape(b, h, t // self.n, self.n, d).mean(dim=3).to(self.dtype)
+
+    def centered(self, xf: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """What the inner codec encodes: xf minus its offset row, in fp32, rounded to the K/V dtype."""
+        return (xf - offset.float().repeat_interleave(self.n, dim=2)).to(self.dtype)
+
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
-        b, h, t, d = x.shape
         xf = x.to(self.dtype).float()
-        offset = xf.reshape(b, h, t // self.n, self.n, d).mean(dim=3).to(self.dtype)  # (B, H, T / N, D)
-        rest = xf - offset.float().repeat_interleave(self.n, dim=2)
-        return {**self.inner.encode(rest.to(self.dtype)), "offset": offset.contiguous()}
+        offset = self.offsets(xf)  # (B, H, T / N, D)
+        return {**self.inner.encode(self.centered(xf, offset)), "offset": offset.contiguous()}
 
     def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
         rest = self.inner.decode(fields, torch.float32)
@@ -325,9 +333,15 @@ class OutlierCodec(_Wrapper):
         filled = torch.where(lo <= hi, torch.minimum(torch.maximum(blocks, lo), hi), 0.0)
         return extent.unblocks(torch.where(m, filled, blocks), xf.shape)
 
+    def select(self, xf: torch.Tensor) -> torch.Tensor:
+        """xf (B, H, T, D) fp32 -> the outliers' channels (B, H, T, k) int64, largest magnitude first: torch's
+        topk (NaN and Inf count as largest; among equal magnitudes, torch's order), which the kernel
+        append asks for here."""
+        return xf.abs().topk(self.k, dim=-1).indices
+
     def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
         xf = x.to(self.dtype).float()
-        index = xf.abs().topk(self.k, dim=-1).indices  # (B, H, T, k); NaN and Inf count as largest
+        index = self.select(xf)  # (B, H, T, k)
         values = xf.gather(-1, index)
         mask = torch.zeros_like(xf, dtype=torch.bool).scatter_(-1, index, True)
         fields = self.inner.encode(self._fill(xf, mask).to(self.dtype))

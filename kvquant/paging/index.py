@@ -53,7 +53,9 @@ class PageUnit:
 
     sink: bool
     body: tuple[int, ...] | None = None  # body page per layer (quantized, or dense for fp16 schemes)
-    fp: tuple[int, ...] | None = None  # FP page per layer: a sink page, or the FP copy of a window page
+    # FP pages per layer: the sink's, or the FP copy of the window's (FP pages may be smaller than a body
+    # page, so a unit spans several; a window copy holds the last of them: those not yet released)
+    fp: tuple[tuple[int, ...], ...] | None = None
     fp_from: int = 0  # the FP copy holds the unit's positions >= this, in every layer (sink copies: all)
 
 
@@ -167,14 +169,20 @@ class PrefixIndex(ABC):
     def pages_per_layer(self) -> int:
         n = 0
         for unit, _ in self.units():
-            n += (unit.pages.body is not None) + (unit.pages.fp is not None)
+            n += (unit.pages.body is not None) + (len(unit.pages.fp[0]) if unit.pages.fp is not None else 0)
         return n
 
     def held_bytes(self) -> int:
         """Bytes of the pages the index lists (some also held by running sequences)."""
         body = sum(lp.body_page_bytes for lp in self.store.layers)
-        fp = sum(lp.fp_page_bytes for lp in self.store.layers)
-        return sum((u.pages.body is not None) * body + (u.pages.fp is not None) * fp for u, _ in self.units())
+        total = 0
+        for u, _ in self.units():
+            pu = u.pages
+            total += body if pu.body is not None else 0
+            if pu.fp is not None:
+                layers = zip(self.store.layers, pu.fp, strict=True)
+                total += sum(lp.fp_page_bytes * len(pages) for lp, pages in layers)
+        return total
 
     def evictable(self, unit: Unit) -> bool:
         """Whether dropping the unit frees its pages: the index holds the only reference to each (read from
@@ -197,16 +205,17 @@ class PrefixIndex(ABC):
             for lp, page in zip(self.store.layers, pu.body, strict=True):
                 yield lp.body, (page,)
         if pu.fp is not None:
-            for lp, page in zip(self.store.layers, pu.fp, strict=True):
-                yield lp.fp, (page,)
+            for lp, pages in zip(self.store.layers, pu.fp, strict=True):
+                yield lp.fp, pages
 
     def _version(self, pages: PageUnit, which: str) -> Iterator[tuple[PagePool, int]]:
         """(pool, page) of each layer's page of one version ("body" or "fp") of a unit."""
         ids = getattr(pages, which)
         if ids is None:
             return iter(())
-        pools = (lp.body if which == "body" else lp.fp for lp in self.store.layers)
-        return zip(pools, ids, strict=True)
+        if which == "body":
+            return zip((lp.body for lp in self.store.layers), ids, strict=True)
+        return ((lp.fp, page) for lp, layer in zip(self.store.layers, ids, strict=True) for page in layer)
 
     def _ref(self, pages: PageUnit, which: str) -> None:
         for pool, page in self._version(pages, which):
@@ -261,8 +270,9 @@ class PrefixIndex(ABC):
                 self._ref(pages, which)  # before the old version's decref: they may be the same pages
                 if fuller:
                     self._unlist(unit, which)
-                    for lp, page in zip(self.store.layers, mine, strict=True):
-                        lp.fp.decref(page)
+                    for lp, held in zip(self.store.layers, mine, strict=True):
+                        for page in held:
+                            lp.fp.decref(page)
                 setattr(unit.pages, which, theirs)
                 if which == "fp":
                     unit.pages.fp_from = pages.fp_from

@@ -4,8 +4,9 @@
     body    positions [sink, sink + body_len)       codec pages  K and V under one page id
     recent  positions [sink + body_len, length)     FP pages     the window (the same pool as the sink)
 
-Body token i (position sink + i) sits in logical page i // block_size of the body table; the recent table
-uses the same logical numbering, so a window page is released as soon as all of its tokens are encoded.
+Body token i (position sink + i) sits in logical page i // block_size of the body table and in logical page
+i // fp_block_size of the recent table (FP pages may be smaller than body pages: `kvquant.plan.LayerPlan`),
+so a window page is released as soon as all of its tokens are encoded.
 Positions below `dropped` after the sink are released (a sliding layer, or an eviction policy such as
 `sliding:W`).
 
@@ -40,7 +41,7 @@ class LayerTables:
 
     def __init__(self, fp: PagePool, body: PagePool, plan: LayerPlan, batch: int, *, private: bool):
         self.fp_pool, self.body_pool, self.plan = fp, body, plan
-        self.sink, self.block_size = plan.sink, plan.block_size
+        self.sink, self.block_size, self.fp_block_size = plan.sink, plan.block_size, plan.fp_block_size
         self.private = private
         self.sink_t = BlockTable(fp, batch)
         self.body_t = BlockTable(body, batch)
@@ -80,7 +81,7 @@ class LayerTables:
 
     def release_encoded_window(self) -> None:
         """Release window pages holding only encoded tokens (the window never exceeds the plan's bound)."""
-        self.recent_t.release_before(self.body_len // self.block_size)
+        self.recent_t.release_before(self.body_len // self.fp_block_size)
 
     def body_slot(self, n: int) -> tuple[torch.Tensor, int]:
         """Body pages for tokens [body_len, body_len + n), present and exclusively owned (copy-on-write):
@@ -116,9 +117,9 @@ class LayerTables:
     def slide(self) -> None:
         """Release the pages holding only keys a sliding layer's next query can no longer attend to."""
         self.dropped = max(self.dropped, self.plan.dropped(self.length))
-        keep_page = self.dropped // self.block_size  # sliding layers have no sink: page = position // bs
-        self.body_t.release_before(keep_page)
-        self.recent_t.release_before(keep_page)
+        # sliding layers have no sink: a page number is position // page size
+        self.body_t.release_before(self.dropped // self.block_size)
+        self.recent_t.release_before(self.dropped // self.fp_block_size)
 
     def evict_before(self, position: int) -> int:
         """Release the pages that hold only positions in [sink, position); the sink pages stay. Returns the
@@ -132,7 +133,7 @@ class LayerTables:
         before = len(self.body_t.pages()) + len(self.recent_t.pages())
         self.dropped = dropped
         self.body_t.release_before(page)
-        self.recent_t.release_before(page)
+        self.recent_t.release_before(page * self.block_size // self.fp_block_size)
         return before - len(self.body_t.pages()) - len(self.recent_t.pages())
 
     def clear(self) -> None:
@@ -149,9 +150,9 @@ class LayerTables:
                 f"cannot crop to {keep} tokens: this sliding-window layer released positions below "
                 f"{self.dropped}"
             )
-        sink, bs = self.sink, self.block_size
+        sink, bs, fbs = self.sink, self.block_size, self.fp_block_size
         if keep >= self.body_end:
-            self.recent_t.truncate(-(-(keep - sink) // bs))
+            self.recent_t.truncate(-(-(keep - sink) // fbs))
         elif keep >= sink:
             body = keep - sink
             if body % token_group:
@@ -166,7 +167,7 @@ class LayerTables:
             self.recent_t.clear()
             self.body_t.clear()
             self.body_len = 0
-            self.sink_t.truncate(-(-keep // bs))
+            self.sink_t.truncate(-(-keep // fbs))
         self.length = keep
         self._trim()
 
@@ -194,10 +195,12 @@ class LayerTables:
 
     # ---- prefixes: the page ids a prefix index lists, and adopting them
 
-    def sink_page(self, unit: int) -> int | None:
-        """Sequence 0's sink page `unit` (positions unit*bs ..), or None when not held."""
-        row = self.sink_t.rows[0]
-        return row[unit] if unit < len(row) else None
+    def sink_pages(self, unit: int) -> tuple[int, ...] | None:
+        """Sequence 0's FP pages of sink unit `unit` (positions unit*bs .. up to the sink; bs the body page
+        size), or None when not all held."""
+        r, row = self.block_size // self.fp_block_size, self.sink_t.rows[0]
+        lo, hi = unit * r, min((unit + 1) * r, -(-self.sink // self.fp_block_size))
+        return tuple(row[lo:hi]) if lo < hi <= len(row) else None
 
     def body_page(self, j: int) -> int | None:
         """Sequence 0's body page j when it is held and all its tokens are encoded, else None."""
@@ -205,10 +208,13 @@ class LayerTables:
         held = (j + 1) * self.block_size <= self.body_len and t.first <= j < t.end
         return t.rows[0][j - t.first] if held else None
 
-    def window_page(self, j: int) -> int | None:
-        """Sequence 0's FP window page j (body numbering), or None when not held."""
-        t = self.recent_t
-        return t.rows[0][j - t.first] if t.first <= j < t.end else None
+    def window_pages(self, j: int) -> tuple[int, ...] | None:
+        """Sequence 0's FP window pages of body page j's tokens that are still held: the last ones of the
+        block_size // fp_block_size pages spanning them (the first may be released once encoded), or None
+        when none is held or the last is not."""
+        t, r = self.recent_t, self.block_size // self.fp_block_size
+        lo, hi = max(j * r, t.first), (j + 1) * r
+        return tuple(t.rows[0][lo - t.first : hi - t.first]) if lo < hi <= t.end else None
 
     def adopt(
         self,
@@ -219,18 +225,18 @@ class LayerTables:
         recent_pages: list[int],
     ) -> None:
         """Start these empty one-sequence tables at `length` tokens on shared pages (increfed): the state
-        decode-exact decoding reaches after `length` tokens. sink_pages hold positions [0, sink);
-        body_pages logical body pages 0..; recent_pages logical pages recent_first.. (FP copies of the
+        decode-exact decoding reaches after `length` tokens. sink_pages hold positions [0, sink) (FP pages);
+        body_pages logical body pages 0..; recent_pages logical FP pages recent_first.. (FP copies of the
         window). A later write into a shared page (the partial body page) copies it first."""
-        sink, bs = self.sink, self.block_size
+        sink, bs, fbs = self.sink, self.block_size, self.fp_block_size
         body_len = self.plan.quantized_end(length) - min(sink, length)
         recent_end = length - min(sink, length)  # recent: body tokens [body_len, recent_end)
-        want = (-(-min(sink, length) // bs), -(-body_len // bs), -(-recent_end // bs) - body_len // bs)
+        want = (-(-min(sink, length) // fbs), -(-body_len // bs), -(-recent_end // fbs) - body_len // fbs)
         got = (len(sink_pages), len(body_pages), len(recent_pages))
-        if got != want or (recent_pages and recent_first != body_len // bs):
+        if got != want or (recent_pages and recent_first != body_len // fbs):
             raise ValueError(
                 f"pages for {length} tokens do not cover sink | body | window: need {want} pages "
-                f"(window from logical page {body_len // bs}), got {got} (from {recent_first})"
+                f"(window from logical FP page {body_len // fbs}), got {got} (from {recent_first})"
             )
         self.sink_t.adopt(0, sink_pages)
         self.body_t.adopt(0, body_pages)

@@ -31,8 +31,8 @@ __all__ = ["KVStore", "LayerPools"]
 
 @dataclass(frozen=True)
 class LayerPools:
-    """One decoder layer's pools: FP pages (sink and window) and body pages (codec fields of K and V under
-    one page id), with the codecs and the effective block size they were made for."""
+    """One decoder layer's pools: FP pages (sink and window, `fp_block_size` tokens) and body pages (codec
+    fields of K and V under one page id, `block_size` tokens), with the codecs they were made for."""
 
     fp: PagePool
     body: PagePool
@@ -93,7 +93,7 @@ class KVStore:
                 sliding_window=window, layer=i,
             )
             bs = plan.block_size
-            fp = PagePool(plan.fp_fields(), bs, self.device, plan.max_fp_pages, f"fp[{i}]")
+            fp = PagePool(plan.fp_fields(), plan.fp_block_size, self.device, plan.max_fp_pages, f"fp[{i}]")
             body_pages = plan.body_pages(capacity_tokens)
             body = PagePool(plan.body_fields(), bs, self.device, body_pages, f"body[{i}]")
             fp_b, body_b = plan.page_bytes(acc)
@@ -260,7 +260,7 @@ def _private_pools(plan: LayerPlan, batch: int, capacity: int, device: torch.dev
         )
     )
     # grown in bounded steps beyond this (kvquant.paging.pool.PagePool.reserve)
-    fp = PagePool(plan.fp_fields(), bs, device, plan.max_fp_pages * batch, "fp" + why)
+    fp = PagePool(plan.fp_fields(), plan.fp_block_size, device, plan.max_fp_pages * batch, "fp")
     body = PagePool(plan.body_fields(), bs, device, plan.body_pages(capacity) * batch, "body" + why)
     fp_b, body_b = plan.page_bytes()
     return LayerPools(fp, body, plan.key_codec, plan.value_codec, bs, plan.sliding_window, fp_b, body_b)

@@ -1,12 +1,14 @@
 """Prefix caching on a shared page store: a new request reuses the pages of a prefix another request computed.
 
-Positions are cut into *units*, one page per layer each: sink units (positions [0, sink), `block_size` at a
-time) and body units (unit j holds positions sink + j*bs .. sink + (j+1)*bs - 1, logical page j of the body
-and of the FP window, which share their numbering in `kvquant.paging.regions.LayerTables`). A unit is cached
-only when all its positions are present. Per layer it may hold two versions of its tokens:
+Positions are cut into *units* of one body page (`block_size` tokens, bs) per layer: sink units (positions
+[0, sink), bs at a time) and body units (unit j holds positions sink + j*bs .. sink + (j+1)*bs - 1, logical
+page j of the body, and the FP window pages that span the same positions: FP pages hold fp_block_size
+tokens, which divides bs, in the numbering `kvquant.paging.regions.LayerTables` gives them). A unit is
+cached only when all its positions are present. Per layer it may hold two versions of its tokens:
 
     body   the quantized page (codec fields of K and V), final once full: a token is encoded once
-    fp     an FP page: a sink page, or the FP copy of a window page (what the window held when registered)
+    fp     FP pages: the sink's, or the FP copy of the window's (what the window held when registered: its
+           pages of the unit not yet released)
 
 Reuse is decode-exact. A new request of n tokens starts at R = sink + j*bs (the largest R <= n - 1 the index
 covers) in the state token-by-token decoding reaches after R tokens: sink FP, body = positions below
@@ -156,21 +158,21 @@ def _held_unit(
     sink, bs = plans[0].sink, plans[0].block_size
     n_sink = -(-sink // bs)
     if u < n_sink:
-        got = [lay.tables.sink_page(u) for lay in layers]
+        got = [lay.tables.sink_pages(u) for lay in layers]
         return None if any(p is None for p in got) else PageUnit(True, fp=tuple(got))
     j = u - n_sink
     lo, hi = sink + j * bs, sink + (j + 1) * bs  # the unit's positions
     body: tuple[int, ...] | None = ()
-    fp: tuple[int, ...] | None = ()
+    fp: tuple[tuple[int, ...], ...] | None = ()
     fp_from = 0
     for lay, plan in zip(layers, plans, strict=True):
         page = lay.tables.body_page(j) if body is not None else None
         body = None if page is None else (*body, page)
-        window = lay.tables.window_page(j) if fp is not None else None
+        window = lay.tables.window_pages(j) if fp is not None else None  # the unit's last FP pages
         written = _fp_written_from(plan, ends, lo, hi) if window is not None else hi
         if written < hi:
             fp += (window,)
-            fp_from = max(fp_from, written)
+            fp_from = max(fp_from, written, hi - len(window) * plan.fp_block_size)
         else:
             fp = None
     if body is None and fp is None:
@@ -190,7 +192,8 @@ class Hit:
 def _resume_pages(matched: Sequence[Unit], plan: LayerPlan, n_sink: int, j: int, layer: int):
     """The pages one layer adopts to resume decode-exactly after the sink and j body units, or None when the
     index lacks one: (body pages, first window page, window pages). The plan says where the body ends."""
-    sink, bs = plan.sink, plan.block_size
+    sink, bs, fbs = plan.sink, plan.block_size, plan.fp_block_size
+    per_unit = bs // fbs  # FP pages spanning one unit
     r = sink + j * bs
     quantized_end = plan.quantized_end(r)
     body_len = quantized_end - sink
@@ -200,14 +203,19 @@ def _resume_pages(matched: Sequence[Unit], plan: LayerPlan, n_sink: int, j: int,
         if pages is None:
             return None
         body.append(pages[layer])
+    first = body_len // fbs  # the window's first FP page
     window = []
     for k in range(body_len // bs, j):
         pu = matched[n_sink + k].pages
         # the window reads positions from max(page start, quantized_end) on: the copy must hold them
         if pu.fp is None or pu.fp_from > max(sink + k * bs, quantized_end):
             return None
-        window.append(pu.fp[layer])
-    return body, body_len // bs, window
+        held = pu.fp[layer]  # the unit's last FP pages
+        need = (k + 1) * per_unit - max(k * per_unit, first)
+        if len(held) < need:
+            return None
+        window.extend(held[len(held) - need :])
+    return body, first, window
 
 
 def attach(cache: QuantizedCache, ids: Sequence[int], index: PrefixIndex) -> Hit:
@@ -233,6 +241,7 @@ def attach(cache: QuantizedCache, ids: Sequence[int], index: PrefixIndex) -> Hit
         if any(p is None for p in picks):
             continue
         for i, (layer, (body, window_first, window)) in enumerate(zip(layers, picks, strict=True)):
-            layer.adopt_prefix(r, [matched[k].pages.fp[i] for k in range(n_sink)], body, window_first, window)
+            sink_pages = [page for k in range(n_sink) for page in matched[k].pages.fp[i]]
+            layer.adopt_prefix(r, sink_pages, body, window_first, window)
         return Hit(r, n_sink + j, len(matched))
     return Hit(0, 0, len(matched))

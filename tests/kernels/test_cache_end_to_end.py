@@ -75,3 +75,58 @@ def test_generate_with_kernels_matches_the_reference(model, scheme, monkeypatch,
         assert torch.equal(a.value_fields[name], b.value_fields[name]), name
     for layer in cache.layers:
         layer.check()
+
+
+# ------------------------------------------------------------------------------- the new pack kernels
+
+PACK_SCHEMES = [  # (scheme, whether the decode kernel reads it too)
+    ("k=fp8-e4m3-channel-g16,v=fp8-e5m2-tensor-out1,sink=2,window=4", True),
+    ("k=nuq3-channel-g16-center16,v=nuq4-g32-out2,window=4", True),  # stand-in calibration levels
+    ("k=int4-g32-center16-out1,v=fp8-e4m3-g32,sink=2", True),
+    ("k=llama.cpp:q4_0,v=nvfp4,window=4", False),  # GGUF blocks: appends packed, attention the reference's
+]
+
+
+@pytest.mark.parametrize("scheme,attends", PACK_SCHEMES, ids=[s for s, _ in PACK_SCHEMES])
+def test_pack_kernels_fill_the_cache_with_the_torch_backends_bytes(model, scheme, attends, tmp_path,
+                                                                   monkeypatch, device):
+    """Every body append of both layers goes through a pack kernel (counted at the registry's launch), and
+    the pages hold exactly what the torch backend's encoder wrote: layer 0 always (its K/V depend on the
+    tokens only), every layer when attention is the reference's on both backends."""
+    if device.type != "cpu":
+        pytest.skip("the cache end to end runs under the interpreter here (on a GPU: gpu_check's e2e phase)")
+    from kvquant.kernels.registry import KernelRegistry
+    from kvquant.kernels.testing import demo_calibration
+
+    if "nuq" in scheme:
+        scheme = f"{scheme},calib={demo_calibration(tmp_path / 'levels.safetensors', scheme, model.config)}"
+    ids = torch.randint(1, 5000, (2, 21), generator=torch.Generator().manual_seed(1))
+    ref, ref_cache = _generate(model, ids, scheme, "torch")
+    appends, launches = [], {}
+    append, launch = dispatch.quantize_pack_into, KernelRegistry.launch
+
+    def spy_append(*args, **kwargs):
+        appends.append(args[1].spec)
+        return append(*args, **kwargs)
+
+    def spy_launch(self, kernel, *args, **kwargs):
+        ok = launch(self, kernel, *args, **kwargs)
+        name = kernel.fn.__name__
+        launches[name] = launches.get(name, 0) + ok
+        return ok
+
+    monkeypatch.setattr(dispatch, "quantize_pack_into", spy_append)
+    monkeypatch.setattr(KernelRegistry, "launch", spy_launch)
+    got, cache = _generate(model, ids, scheme, "triton")
+    assert torch.equal(got.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=0, atol=1e-4)
+    pack_kernels = ("_quantize_token_kernel", "_quantize_channel_kernel", "_engine_kernel")
+    packed = sum(launches.get(k, 0) for k in pack_kernels)
+    assert appends and packed == len(appends), (launches, len(appends))  # the kernel served every append
+    assert ("_paged_split_kernel" in launches) == attends
+    for i in range(len(cache.layers) if not attends else 1):
+        a, b = cache.layers[i].stored(), ref_cache.layers[i].stored()
+        for name in a.key_fields:
+            assert torch.equal(a.key_fields[name], b.key_fields[name]), (i, name)
+        for name in a.value_fields:
+            assert torch.equal(a.value_fields[name], b.value_fields[name]), (i, name)

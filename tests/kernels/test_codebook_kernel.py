@@ -20,7 +20,13 @@ from kvquant.kernels import decode_attention as da
 from kvquant.kernels import dispatch
 from kvquant.kernels.layouts import decode_frame, describe_unserved, device_levels
 from kvquant.kernels.registry import KernelRegistry, SelfCheck
-from kvquant.kernels.testing import check_decode, demo_levels, make_paged_layer, random_query
+from kvquant.kernels.testing import (
+    check_decode,
+    demo_calibration,
+    demo_levels,
+    make_paged_layer,
+    random_query,
+)
 from ptx_model import run_ptx
 
 from kvquant.codecs.base import codec_for
@@ -213,7 +219,8 @@ def test_what_the_kernels_serve_is_said_per_codec(device):
     assert describe_unserved(codec_for("int4-g32", 2, 64, torch.float16), dev) is None
     from kvquant.backend import kernel_fallback
 
-    assert kernel_fallback(nuq, dev) == describe_unserved(nuq, dev)
+    assert kernel_fallback(nuq, dev) is None  # appends are packed too (kvquant.kernels.pack_layouts)
+    assert kernel_fallback(pre, dev) == describe_unserved(pre, dev)
 
 
 # ------------------------------------------------------------------------------- -center and -outP
@@ -273,16 +280,7 @@ def test_a_wrong_codebook_variant_is_caught_and_served_by_the_reference(device, 
 def _calibration(tmp_path, scheme: str, config) -> str:
     """A calibration file with stand-in levels for every codebook the scheme needs (a different table per
     layer and K/V), as `experiments/calibrate.py` writes one."""
-    from kvquant.calibration import entries_for, metadata, save_calibration
-    from kvquant.memory import KVShape
-    from kvquant.scheme import parse_scheme
-
-    shape = KVShape.from_config(config)
-    path = tmp_path / "levels.safetensors"
-    entries = entries_for(parse_scheme(f"{scheme},calib={path}"), shape.num_layers)
-    tables = {e.name: demo_levels(e.spec.bits) * (0.9 + 0.05 * i) for i, e in enumerate(entries)}
-    save_calibration(path, tables, metadata("tiny", shape, [scheme], entries))
-    return str(path)
+    return demo_calibration(tmp_path / "levels.safetensors", scheme, config)
 
 
 E2E = [  # (scheme, layers the kernel serves, the codec a layer falls back for)

@@ -70,6 +70,15 @@ def test_body_partly_filled_last_page_and_block_size_32(device):
     check(layer, query(layer, 3, torch.float16, device), torch.float16)
 
 
+def test_fp_pages_smaller_than_body_pages(device):
+    """The cache's FP (sink and window) pages hold the requested 16 tokens while channel-wise K groups of 64
+    raise body pages to 64: a sink of 5 and a window from mid-page span several FP pages per body page."""
+    layer = make_paged_layer(sink=5, body=128, recent=37, recent_offset=7, k="int4-channel-g64",
+                             v="int4-g64", block_size=64, fp_block_size=16, device=device)
+    assert layer.fp_k.shape[2] == 16 and layer.key_pages["codes"].shape[2] == 64
+    check(layer, query(layer, 3, torch.float16, device), torch.float16)
+
+
 def key_mask(kind: str, b: int, t: int, device) -> torch.Tensor:
     """(B, T) bool, or (1, T) for "broadcast"; True = attend, positions in sink | body | recent order."""
     m = torch.ones(b, t, dtype=torch.bool)

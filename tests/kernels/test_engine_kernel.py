@@ -26,7 +26,6 @@ from kvquant.kernels.layouts import (
     EngineKernelLayout,
     decode_frame,
     decode_layout,
-    describe_unserved,
     engine_levels,
     engine_order,
 )
@@ -210,8 +209,9 @@ def test_engine_frames_and_what_is_said(device):
         assert sorted(frame.order.tolist()) == list(range(64))
         x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
         torch.testing.assert_close(frame.out_of(frame.into(x)), x, rtol=0, atol=1e-6)
-    line = describe_unserved(codec_for("llama.cpp:q4_0", 2, 64), dev)
-    assert "decode attention runs in the Triton kernel" in line and "PyTorch encoder" in line
+    from kvquant.backend import kernel_fallback
+
+    assert kernel_fallback(codec_for("llama.cpp:q4_0", 2, 64), dev) is None  # read here, packed (pack_engine)
     reg = KernelRegistry("t", SelfCheck(False))
     c = codec_for("llama.cpp:q4_0", 2, 64)
     assert decode_frame(c, dev, reg).order is decode_frame(c, dev, reg).order  # made once per registry

@@ -15,7 +15,7 @@ import pytest
 import torch
 from kernel_e2e import check_matches_torch, generate_both
 from kvquant.kernels.decode_attention import decode_attention, decode_attention_ref
-from kvquant.kernels.layouts import decode_frame, describe_unserved
+from kvquant.kernels.layouts import decode_frame
 from kvquant.kernels.testing import (
     DECODE_ATOL,
     check_decode,
@@ -24,6 +24,7 @@ from kvquant.kernels.testing import (
     with_demo_levels,
 )
 
+from kvquant.backend import kernel_fallback
 from kvquant.codecs.base import codec_for
 from kvquant.rope import Rope
 
@@ -118,8 +119,8 @@ def test_what_prerope_the_kernel_serves():
     assert decode_frame(codec_for("int4-g32-rot-prerope", 2, 64, rope=rope), dev) is None  # RoPE needs the
     assert decode_frame(codec_for("llama.cpp:q8_0-prerope", 2, 64, rope=rope), dev) is None  # model's frame
     assert decode_frame(codec_for("int4-g32-prerope", 2, 64), dev) is None  # no RoPE given: nothing to apply
-    line = describe_unserved(codec_for("int4-g32-prerope", 2, 64, rope=rope), dev)
-    assert "decode attention runs in the Triton kernel" in line
+    line = kernel_fallback(codec_for("int4-g32-prerope", 2, 64, rope=rope), dev)  # the line the cache logs
+    assert "decode attention runs in the Triton kernel" in line and "PyTorch encoder" in line
 
 
 def test_the_rope_is_needed(device, monkeypatch):

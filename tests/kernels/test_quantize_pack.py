@@ -130,15 +130,9 @@ def test_empty_and_bad_inputs(device):
 
 def _pools(codec, n_pages: int, bs: int, seed: int) -> dict[str, torch.Tensor]:
     """Pools of random contents (so a stray write shows), one per codec field."""
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, f in codec.fields().items():
-        shape = (n_pages, f.heads, bs // f.tokens, f.cols)
-        if f.dtype == torch.uint8:
-            out[name] = torch.randint(0, 256, shape, generator=g, dtype=torch.uint8)
-        else:
-            out[name] = torch.randn(shape, generator=g).to(f.dtype)
-    return out
+    from kvquant.kernels.quantize_pack import random_pools
+
+    return random_pools(codec, n_pages, bs, torch.Generator().manual_seed(seed))
 
 
 INTO_CASES = ["int8", "int4-g32", "int4-head-sym-sbf16", "int2-g16", "int4-channel-g8",

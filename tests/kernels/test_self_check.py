@@ -4,6 +4,7 @@ what the real kernel wrote) is caught, logged once, disabled, and the reference 
 
 from __future__ import annotations
 
+import inspect
 import logging
 import re
 
@@ -11,9 +12,11 @@ import pytest
 import torch
 from kvquant.kernels import decode_attention as da
 from kvquant.kernels import dispatch
+from kvquant.kernels import pack_engine as pe
 from kvquant.kernels import quantize_pack as qp
+from kvquant.kernels.quantize_pack import random_pools
 from kvquant.kernels.registry import KernelRegistry, SelfCheck
-from kvquant.kernels.testing import make_paged_layer
+from kvquant.kernels.testing import make_paged_layer, with_demo_levels
 
 from kvquant.codecs.base import codec_for
 
@@ -32,7 +35,7 @@ class Perturbed:
         return launch
 
 
-def _bump(out: torch.Tensor) -> None:  # one output element of the reduce kernel off by 0.05
+def _bump_out(out: torch.Tensor) -> None:  # one output element of the reduce kernel off by 0.05
     out.view(-1)[3] += 0.05
 
 
@@ -68,7 +71,7 @@ def test_a_correct_variant_is_probed_once_and_then_trusted(device, monkeypatch):
 
 def test_a_wrong_attention_variant_is_caught_logged_once_and_served_by_the_reference(device, monkeypatch,
                                                                                    caplog):
-    monkeypatch.setattr(da, "_reduce_kernel", Perturbed(da._reduce_kernel, 3, _bump))
+    monkeypatch.setattr(da, "_reduce_kernel", Perturbed(da._reduce_kernel, 3, _bump_out))
     check = KernelRegistry("t", self_check=SelfCheck(enabled=True))
     layer = _layer(device)
     q = _query(layer, device)
@@ -141,7 +144,7 @@ def test_generate_with_a_wrong_kernel_equals_the_torch_backend(scheme, device, m
 
     monkeypatch.setenv("KVQUANT_SELF_CHECK", "1")
     monkeypatch.setattr(reg, "_SELF_CHECK", SelfCheck())
-    monkeypatch.setattr(da, "_reduce_kernel", Perturbed(da._reduce_kernel, 3, _bump))
+    monkeypatch.setattr(da, "_reduce_kernel", Perturbed(da._reduce_kernel, 3, _bump_out))
     model = make_tiny_model(seed=3, num_hidden_layers=2)
     ids = torch.randint(1, 5000, (2, 21), generator=torch.Generator().manual_seed(0))
 
@@ -158,3 +161,66 @@ def test_generate_with_a_wrong_kernel_equals_the_torch_backend(scheme, device, m
     torch.testing.assert_close(torch.stack(got.logits), torch.stack(ref.logits), rtol=0, atol=1e-6)
     assert len(_warnings(caplog)) == 1  # two layers, three decode steps: one probe, one line
     assert [k[0] for k in reg.process_self_check().disabled()] == ["decode_attention"]
+
+
+# ------------------------------------------------------------------------------- the new pack kernels
+
+
+def _flip(pool: torch.Tensor) -> None:  # every 7th byte off by one bit
+    pool.view(-1)[::7] ^= 1
+
+
+def _bump(pool: torch.Tensor) -> None:  # every 5th scale off by a unit
+    pool.view(-1)[::5] += 1
+
+
+WRONG_PACKS = [  # (spec, module, kernel, the argument damaged, damage), one per new kind of variant
+    ("fp8-e4m3-g32", qp, "_quantize_token_kernel", "codes_ptr", _flip),
+    ("nuq3-channel-g16", qp, "_quantize_channel_kernel", "scale_ptr", _bump),
+    ("int4-g32-center16-out1", qp, "_quantize_token_kernel", "oi_ptr", _flip),  # the outliers' channels
+    ("llama.cpp:q4_1-norot", pe, "_engine_kernel", "blocks_ptr", _flip),  # GGUF block bytes
+]
+
+
+@pytest.mark.parametrize("spec,module,name,arg,damage", WRONG_PACKS, ids=[w[0] for w in WRONG_PACKS])
+def test_a_wrong_new_pack_variant_is_caught(spec, module, name, arg, damage, device, monkeypatch, caplog):
+    """FP8, codebook, -center / -outP and GGUF block variants: a kernel that writes wrong bytes is caught by
+    its first-use probe, logged once, and every append (the probed one included) is the reference's."""
+    kernel = getattr(module, name)
+    index = list(inspect.signature(kernel.fn).parameters).index(arg)
+    monkeypatch.setattr(module, name, Perturbed(kernel, index, damage))
+    check = KernelRegistry("t", self_check=SelfCheck(enabled=True))
+    codec = with_demo_levels(codec_for(spec, 2, 64, torch.float16))
+    g = codec.token_group
+    pools = random_pools(codec, 6, max(16, g), torch.Generator().manual_seed(0))
+    want = {n: p.clone() for n, p in pools.items()}
+    got = {n: p.to(device) for n, p in pools.items()}
+    table = torch.tensor([[3, 1, 5], [0, 2, 4]])
+    x = torch.randn(2, 2, 2 * g if g > 1 else 9, 64, generator=torch.Generator().manual_seed(2)).half()
+    with caplog.at_level(logging.WARNING, logger="kvquant.kernels"):
+        for start, part in ((0, x[:, :, : x.shape[2] // 2]), (x.shape[2] // 2, x[:, :, x.shape[2] // 2 :])):
+            dispatch.quantize_pack_into(part.to(device), codec, got, table.to(device), start, registry=check)
+            qp.quantize_pack_into_ref(part, codec, want, table, start)
+    assert not qp.pool_differences({n: p.cpu() for n, p in got.items()}, want)
+    (msg,) = [r.getMessage() for r in _warnings(caplog)]
+    assert "quantize_pack" in msg and "elements differ" in msg
+    ((_, variant, _),) = check.self_check.disabled()
+    assert variant[0] == name
+
+
+PACK_VARIANTS = ["fp8-e5m2-channel-g16", "nuq3-g64-center16-out1", "mxfp4"]
+
+
+@pytest.mark.parametrize("spec", PACK_VARIANTS)
+def test_a_correct_new_pack_variant_passes_its_probe(spec, device):
+    check = KernelRegistry("t", self_check=SelfCheck(enabled=True))
+    codec = with_demo_levels(codec_for(spec, 2, 64, torch.float16))
+    g = codec.token_group
+    pools = random_pools(codec, 4, max(16, g), torch.Generator().manual_seed(0))
+    x = torch.randn(1, 2, g, 64, generator=torch.Generator().manual_seed(3)).half()
+    table = torch.tensor([[2]]).to(device)
+    for _ in range(2):  # probed on the first call only
+        got = {n: p.to(device) for n, p in pools.items()}
+        dispatch.quantize_pack_into(x.to(device), codec, got, table, 0, registry=check)
+    (key, verdict), = check.self_check.verdicts.items()
+    assert key[0] == "quantize_pack" and verdict is None and check.self_check.seconds[key] > 0

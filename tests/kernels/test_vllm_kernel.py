@@ -18,10 +18,10 @@ from kvquant.kernels.layouts import (
     SlotKernelLayout,
     decode_frame,
     decode_layout,
-    describe_unserved,
 )
 from kvquant.kernels.testing import check_decode, make_paged_layer, random_query
 
+from kvquant.backend import kernel_fallback
 from kvquant.codecs.base import codec_for
 from kvquant.codecs.engine_vllm import tq_dequantize_value, tq_signs
 from kvquant.codecs.fp8 import FP8KernelLayout
@@ -38,7 +38,7 @@ def test_which_vllm_formats_the_kernel_reads():
     scaled = codec_for("vllm:fp8", 2, 64)
     scaled.set_scale(0.5)  # a calibrated k_scale: not read by the kernel yet
     assert decode_layout(scaled) is None and decode_frame(scaled, torch.device("cpu")) is None
-    assert "no Triton kernel reads" in describe_unserved(scaled, torch.device("cpu"))
+    assert "no Triton kernel reads" in kernel_fallback(scaled, torch.device("cpu"))
 
 
 
@@ -61,7 +61,7 @@ def test_turboquant_layouts_and_frames():
     assert decode_frame(v, dev).identity
     k8, _ = _tq("turboquant_k8v4", 64, torch.float16)
     assert decode_layout(k8).kind == "fp8" and decode_frame(k8, dev).identity
-    assert "decode attention runs in the Triton kernel" in describe_unserved(k, dev)
+    assert "decode attention runs in the Triton kernel" in kernel_fallback(k, dev)  # appends: the encoder
 
 
 @pytest.mark.parametrize("preset", ["turboquant_4bit_nc", "turboquant_3bit_nc"])
