@@ -83,7 +83,7 @@ PACK_SCHEMES = [  # (scheme, whether the decode kernel reads it too)
     ("k=fp8-e4m3-channel-g16,v=fp8-e5m2-tensor-out1,sink=2,window=4", True),
     ("k=nuq3-channel-g16-center16,v=nuq4-g32-out2,window=4", True),  # stand-in calibration levels
     ("k=int4-g32-center16-out1,v=fp8-e4m3-g32,sink=2", True),
-    ("k=llama.cpp:q4_0,v=nvfp4,window=4", False),  # GGUF blocks: appends packed, attention the reference's
+    ("k=llama.cpp:q4_0,v=nvfp4,window=4", True),  # GGUF blocks: appends packed, read in place too
 ]
 
 
