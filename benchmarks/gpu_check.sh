@@ -20,10 +20,12 @@ set -u -o pipefail
 cd "$(dirname "$0")/.."
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
+PY=${PYTHON:-python3}
 if [ "$DRY" = 1 ] || ! command -v nvidia-smi >/dev/null 2>&1; then
     [ -f .venv/bin/activate ] && . .venv/bin/activate
+    # this checkout's interpreter by path: a venv copied from another checkout activates that one's python
+    [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY="$PWD/.venv/bin/python"
 fi
-PY=${PYTHON:-python3}
 OUTDIR=${OUT:-benchmarks/results/gpu_check_$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUTDIR"
 STATUS="$OUTDIR/status.csv"
