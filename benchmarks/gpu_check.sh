@@ -12,10 +12,11 @@
 # benchmark: benchmarks/bench_decode.py), e2e (16 decode steps, Triton vs torch tokens, and the
 # recompile count: distinct Triton variants the generation compiled, in e2e.json), devmap (a model split
 # between cuda:0 and the CPU by a device map: tokens equal to the cuda:0 run, each layer's pages on its
-# device; torch.cuda.max_memory_allocated of int4-g64 vs the reference cache at 32k tokens:
-# benchmarks/gpu_device_map.py, devmap.json / devmap.md). Per-phase logs,
-# status.csv and status.json land in the output folder. GPU_CHECK_PHASES="env bench" runs only those;
-# GPU_CHECK_FAIL_PHASE=<name> makes that phase fail (both to test this script).
+# device, kernel launches on each CUDA device of the map, an Engine serving the split model on one store;
+# the same on a cuda:0/cuda:1 split when 2 GPUs are present; torch.cuda.max_memory_allocated of int4-g64
+# vs the reference cache at 32k tokens: benchmarks/gpu_device_map.py, devmap.json / devmap.md).
+# Per-phase logs, status.csv and status.json land in the output folder. GPU_CHECK_PHASES="env bench" runs
+# only those; GPU_CHECK_FAIL_PHASE=<name> makes that phase fail (both to test this script).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 DRY=0

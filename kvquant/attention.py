@@ -236,10 +236,7 @@ def _logaddexp_by_row(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (lm-eval's batch N scores equal batch 1's wherever the GEMMs are row-invariant)."""
     if a.shape[0] == 1:
         return torch.logaddexp(a, b)
-    out = torch.empty_like(a)
-    for i in range(a.shape[0]):
-        torch.logaddexp(a[i : i + 1], b[i : i + 1], out=out[i : i + 1])
-    return out
+    return torch.cat([torch.logaddexp(a[i : i + 1], b[i : i + 1]) for i in range(a.shape[0])])
 
 
 def _direct(

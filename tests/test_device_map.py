@@ -307,6 +307,9 @@ def test_store_devices_must_name_every_layer(tiny_dir):
     model, _ = kvquant.load_model(tiny_dir)
     with pytest.raises(ValueError, match=f"names 2 devices but the model has {LAYERS} decoder layers"):
         KVStore(model.config, SCHEME, device=["cpu", "cpu"])
+    assert KVStore(model.config, SCHEME, device="cpu").device == torch.device("cpu")
+    with pytest.raises(ValueError, match="a private store has no device of its own"):
+        _ = KVStore.private().device
 
 
 def test_a_layer_whose_attention_spans_devices_is_refused(tiny_dir):

@@ -155,6 +155,9 @@ class KVStore:
     @property
     def device(self) -> torch.device:
         """The device of every layer's pools; a store spanning devices has no one device (see `devices`)."""
+        if not self.shared:
+            raise ValueError("a private store has no device of its own: each layer's pools are made where "
+                             "that layer first writes")
         if len(set(self.devices)) != 1:
             spread = sorted(set(map(str, self.devices)))
             raise ValueError(f"this store's layers span {', '.join(spread)}: ask store.devices[layer]")
