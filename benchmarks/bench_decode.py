@@ -134,7 +134,10 @@ class _Recorder:
         self.constants = {}  # a codebook's device table, made once (kvquant.kernels.layouts.device_levels)
 
     def launch(self, kernel, grid, args, kwargs, variant) -> bool:
-        kernel[grid](*args, **kwargs)
+        from kvquant.kernels.registry import device_guard, launch_device
+
+        with device_guard(launch_device(args)):  # as KernelRegistry.launch: the arguments' device current
+            kernel[grid](*args, **kwargs)
         self.launches.append((kernel, grid, args, kwargs))
         return True
 

@@ -12,18 +12,21 @@
 # benchmark: benchmarks/bench_decode.py), e2e (16 decode steps, Triton vs torch tokens, and the
 # recompile count: distinct Triton variants the generation compiled, in e2e.json), devmap (a model split
 # between cuda:0 and the CPU by a device map: tokens equal to the cuda:0 run, each layer's pages on its
-# device; torch.cuda.max_memory_allocated of int4-g64 vs the reference cache at 32k tokens:
-# benchmarks/gpu_device_map.py, devmap.json / devmap.md). Per-phase logs,
-# status.csv and status.json land in the output folder. GPU_CHECK_PHASES="env bench" runs only those;
-# GPU_CHECK_FAIL_PHASE=<name> makes that phase fail (both to test this script).
+# device, kernel launches on each CUDA device of the map, an Engine serving the split model on one store;
+# the same on a cuda:0/cuda:1 split when 2 GPUs are present; torch.cuda.max_memory_allocated of int4-g64
+# vs the reference cache at 32k tokens: benchmarks/gpu_device_map.py, devmap.json / devmap.md).
+# Per-phase logs, status.csv and status.json land in the output folder. GPU_CHECK_PHASES="env bench" runs
+# only those; GPU_CHECK_FAIL_PHASE=<name> makes that phase fail (both to test this script).
 set -u -o pipefail
 cd "$(dirname "$0")/.."
 DRY=0
 [ "${1:-}" = "--dry-run" ] && DRY=1
+PY=${PYTHON:-python3}
 if [ "$DRY" = 1 ] || ! command -v nvidia-smi >/dev/null 2>&1; then
     [ -f .venv/bin/activate ] && . .venv/bin/activate
+    # this checkout's interpreter by path: a venv copied from another checkout activates that one's python
+    [ -z "${PYTHON:-}" ] && [ -x .venv/bin/python ] && PY="$PWD/.venv/bin/python"
 fi
-PY=${PYTHON:-python3}
 OUTDIR=${OUT:-benchmarks/results/gpu_check_$(date -u +%Y%m%dT%H%M%SZ)}
 mkdir -p "$OUTDIR"
 STATUS="$OUTDIR/status.csv"

@@ -8,6 +8,12 @@
    generates 16 greedy tokens through an int4-g64 `QuantizedCache`. They must equal the single-device run's
    (the whole model on cuda:0); every layer's pages must sit on that layer's device
    (`kvquant.models.check_pages_placed`); the cache's bytes are reported per device (`nbytes_by_device`).
+   Every Triton launch is counted by the device it made current (`kvquant.kernels.registry.device_guard`):
+   each CUDA device of the map must have launched kernels. A `kvquant.serving.Engine` over the split model
+   (one shared `KVStore`, each layer's pools on its device) serves two prompts sharing a prefix: the same
+   tokens as the engine over the single-device model, the second prompt reusing the first's pages, and the
+   bytes held reported per device (`held_bytes_by_device`). With 2 or more GPUs, the same checks run again
+   on a cuda:0 / cuda:1 split (a layer on cuda:1 launches with cuda:1 current).
 2. Memory. On one device (fp16 on CUDA), `--length` tokens (32k) are fed in chunks through the reference
    cache (transformers' DynamicCache) and through QuantizedCache fp16 and int4-g64. For each:
    `torch.cuda.max_memory_allocated` above the model's own allocation (reset before each cache), what the
@@ -21,6 +27,7 @@ or no CUDA) the split is a per-module map onto the CPU and the device memory col
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import sys
@@ -79,29 +86,92 @@ def generate(model, n: int = 16, scheme: str = "int4-g64,window=16"):
     return out.cpu(), cache, first
 
 
-def placement_check(root: Path, cuda: bool) -> dict:
+@contextlib.contextmanager
+def launches_by_device():
+    """{device: Triton launches} of the block: every launch enters `kvquant.kernels.registry.device_guard`
+    with its tensors' device (counted here, then the real guard); empty without triton."""
+    counts: dict[str, int] = {}
+    try:
+        from kvquant.kernels import registry
+    except ImportError:  # no triton: nothing can launch
+        yield counts
+        return
+    real = registry.device_guard
+
+    def counting(device):
+        counts[str(device)] = counts.get(str(device), 0) + 1
+        return real(device)
+
+    registry.device_guard = counting
+    try:
+        yield counts
+    finally:
+        registry.device_guard = real
+
+
+def serve(model, scheme: str = "int4-g64,window=16", new: int = 8) -> dict:
+    """Two prompts sharing an 80-token prefix through a `kvquant.serving.Engine` (radix prefix cache), one
+    after the other, greedy: their new tokens, the tokens the second reused, and the bytes the store held
+    per device while the last request was open."""
+    from kvquant.serving import Engine
+
+    engine = Engine(model, scheme, prefix_cache="radix")
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(2, 255, (80,), generator=g).tolist()
+    tokens, reused, by_device = [], [], {}
+    for tail in (9, 14):
+        ids = shared + torch.randint(2, 255, (tail,), generator=g).tolist()
+        cache = engine.open()
+        pre = engine.prefill(cache, ids, boundaries=[len(shared)])
+        held, logits = list(ids), pre.logits
+        for _ in range(new):
+            held.append(int(logits.argmax()))
+            logits = engine.step(cache, held[-1])
+        by_device = engine.store.held_bytes_by_device()
+        consistent = sum(by_device.values()) == engine.store.held_bytes()
+        engine.close(cache, held)
+        tokens.append(held[len(ids) :])
+        reused.append(pre.hit.reused)
+    return {"tokens": tokens, "reused": reused, "held_by_device": by_device, "bytes_consistent": consistent,
+            "store_devices": [str(d) for d in engine.store.devices]}
+
+
+def placement_check(root: Path, cuda: bool, second: str = "cpu") -> dict:
+    """The map {first half: cuda:0 (cpu on a dry run), second half: `second`} against the model on cuda:0
+    alone: generate() tokens, pages per layer, launches per device, and an Engine on one shared store."""
     layers = 4
-    folder = save_tiny(root / "placement", layers)
+    folder = save_tiny(root / f"placement-{second}", layers)
     single = "cuda:0" if cuda else "cpu"
-    dmap = split_map(layers, "cuda:0", "cpu") if cuda else split_map(layers, "cpu", "cpu")
+    dmap = split_map(layers, single, second if cuda else "cpu")
     ref_model, _ = kvquant.load_model(folder, device=single)
     want, _, want_logits = generate(ref_model)
+    want_served = serve(ref_model)
     del ref_model
     model, _ = kvquant.load_model(folder, device_map=dmap)
-    got, cache, got_logits = generate(model)
+    with launches_by_device() as launches:
+        got, cache, got_logits = generate(model)
     placed = models.check_pages_placed(model, cache)  # raises if a layer's pages are elsewhere
     by_device = models.nbytes_by_device(cache)
+    served = serve(model)
+    layer_devices = [str(d) for d in models.layer_devices(model)]
+    cuda_layers = sorted({d for d in layer_devices if d.startswith("cuda")})
     row = {
         "map": dmap,
         "single_device": single,
-        "layer_devices": [str(d) for d in models.layer_devices(model)],
+        "layer_devices": layer_devices,
         "pages_on": placed,
         "bytes_by_device": by_device,
         "bytes_total": cache.nbytes(),
         "same_tokens": bool(torch.equal(got, want)),
         "max_logit_diff": float((got_logits - want_logits).abs().max()),
+        "kernel_launches_by_device": launches,
+        "engine": {**served, "same_tokens": served["tokens"] == want_served["tokens"]},
     }
-    row["ok"] = row["same_tokens"] and sum(by_device.values()) == cache.nbytes() and len(placed) == layers
+    engine_ok = (row["engine"]["same_tokens"] and served["reused"][1] > 0 and served["bytes_consistent"]
+                 and served["store_devices"] == layer_devices
+                 and set(served["held_by_device"]) == set(placed.values()))
+    row["ok"] = (row["same_tokens"] and sum(by_device.values()) == cache.nbytes() and len(placed) == layers
+                 and all(launches.get(d, 0) > 0 for d in cuda_layers) and engine_ok)
     return row
 
 
@@ -162,15 +232,22 @@ def memory_check(root: Path, cuda: bool, length: int, chunk: int) -> dict:
 def write_report(out: Path, result: dict) -> None:
     (out / "devmap.json").write_text(json.dumps(result, indent=1))
     p, m = result["placement"], result["memory"]
-    lines = [
-        "# Device map and device memory (benchmarks/gpu_device_map.py)",
-        "",
-        f"device: {result['device']}; dry run: {result['dry_run']}",
-        "",
-        f"Placement: {p['single_device']} alone vs the map (layers on {', '.join(p['layer_devices'])}): "
-        f"same tokens {p['same_tokens']}, max |logit diff| {p['max_logit_diff']:.3g}; "
-        f"pages per device {p['bytes_by_device']}",
-        "",
+    lines = ["# Device map and device memory (benchmarks/gpu_device_map.py)", "",
+             f"device: {result['device']}; dry run: {result['dry_run']}", ""]
+    for row in (p, result.get("placement_2gpu")):
+        if row is None:
+            continue
+        e, on = row["engine"], ", ".join(row["layer_devices"])
+        lines += [
+            f"Placement: {row['single_device']} alone vs the map (layers on {on}): "
+            f"same tokens {row['same_tokens']}, max |logit diff| {row['max_logit_diff']:.3g}; "
+            f"pages per device {row['bytes_by_device']}; kernel launches per device "
+            f"{row['kernel_launches_by_device'] or 'none (no CUDA layer)'}",
+            f"Engine on one store across the map: same tokens {e['same_tokens']}, reused {e['reused']} "
+            f"tokens, held per device {e['held_by_device']}; ok {row['ok']}",
+            "",
+        ]
+    lines += [
         "| cache | tokens | device peak (MiB) | device held (MiB) | counted (MiB) | formula (MiB) | s |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -199,16 +276,19 @@ def main(argv=None) -> int:
     chunk = args.chunk or (2048 if cuda else 256)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    two_gpus = cuda and torch.cuda.device_count() >= 2
     with tempfile.TemporaryDirectory() as tmp:
         result = {
             "device": torch.cuda.get_device_name(0) if cuda else "cpu",
             "dry_run": not cuda,
             "placement": placement_check(Path(tmp), cuda),
+            "placement_2gpu": placement_check(Path(tmp), cuda, "cuda:1") if two_gpus else None,
             "memory": memory_check(Path(tmp), cuda, length, chunk),
         }
     write_report(out, result)
     sys.stdout.write((out / "devmap.md").read_text())
-    ok = result["placement"]["ok"] and result["memory"]["ok"]
+    two = result["placement_2gpu"]
+    ok = result["placement"]["ok"] and result["memory"]["ok"] and (two is None or two["ok"])
     sys.stdout.write(f"devmap: {'pass' if ok else 'FAIL'}\n")
     return 0 if ok else 1
 

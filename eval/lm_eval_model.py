@@ -13,6 +13,11 @@ With `batch_size=N` (lm-eval's --batch_size), loglikelihood requests whose cache
 length run N at a time through one cache of N rows: distinct prefixes are filled together (one row each;
 requests sharing a prefix share its pages), and the continuations are right-padded, which no real token
 ever attends to (attention is causal and decode-exact), with the same chunk boundaries as batch 1.
+With every GEMM row-invariant that is batch 1's arithmetic bit for bit (tested); with the CPU's GEMM it is
+not: MKL rounds a row by how many rows its product has (1, 2-15, 16+ on an AVX-512 Xeon), so a 1-token
+scoring forward of B rows rounds unlike batch 1's single row (~1e-6 in K/V), and a quantized cache can turn
+that into a different code at a rounding boundary (measured: one of 16 MMLU questions moved by 0.2-0.47
+nats at int4-g64 on SmolLM2-135M). For bit-exact numbers keep batch size 1 (docs/scale.md).
 Generation runs one request at a time. The model is loaded with kvquant's offline loader (a local folder,
 a .gguf, or the embedded default when `pretrained` is left out); nothing reaches the hub. `device_map=`
 (auto | balanced | a JSON file) splits it across devices (`kvquant.models.parse_device_map`).
@@ -139,6 +144,12 @@ class KVQuantLM(HFLM):
             self.accelerator = accelerator
             self._rank, self._world_size = accelerator.process_index, accelerator.num_processes
         self._prefix: tuple[tuple, QuantizedCache] | None = None  # the last prefix filled, and its cache
+        if isinstance(self.batch_size_per_gpu, int) and self.batch_size_per_gpu > 1:
+            logger.warning(
+                "batch_size=%d: scores equal batch 1's up to the GEMM's rounding by row count, which a "
+                "quantized cache can turn into a different code (a request may move by a fraction of a nat); "
+                "use batch size 1 for bit-exact numbers (docs/scale.md)", self.batch_size_per_gpu,
+            )
         self.new_cache()  # fails now, naming both numbers, if the scheme's group does not fit head_dim
         self._tag_wandb_run()
 

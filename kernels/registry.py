@@ -20,17 +20,26 @@ before timing never times it; it is skipped (no verdict yet) while a CUDA graph 
 Which devices are checked: CUDA always; the interpreter only when asked (`SelfCheck(enabled=True)` or
 KVQUANT_SELF_CHECK=1), since there the kernel and its twin run the same generic code and the probe only
 costs time; KVQUANT_SELF_CHECK=0 turns it off everywhere. `SelfCheck.seconds` records each probe's cost.
+
+Devices: Triton compiles for and launches on the *current* CUDA device, whatever device the arguments live
+on. In a model split across GPUs by a device map, layer 5's pages may be on cuda:1 while cuda:0 is current,
+so `launch` makes the device of the launch's tensors current around it (`device_guard`: a
+`torch.cuda.device`; nothing on the CPU or under the interpreter).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import time
 from collections.abc import Callable
 
-__all__ = ["KernelRegistry", "SelfCheck", "default_registry", "is_build_failure", "process_self_check"]
+__all__ = [
+    "KernelRegistry", "SelfCheck", "default_registry", "device_guard", "is_build_failure", "launch_device",
+    "process_self_check",
+]
 
 logger = logging.getLogger("kvquant.kernels")
 
@@ -83,6 +92,22 @@ def process_self_check() -> SelfCheck:
     if _SELF_CHECK is None:
         _SELF_CHECK = SelfCheck()
     return _SELF_CHECK
+
+
+def launch_device(args: tuple):
+    """The device of a launch: its first tensor argument's (the launchers put every tensor on one device and
+    check it); None when it has no tensor."""
+    return next((a.device for a in args if hasattr(a, "device") and hasattr(a, "data_ptr")), None)
+
+
+def device_guard(device) -> contextlib.AbstractContextManager:
+    """`torch.cuda.device(device)` for a CUDA device (Triton launches on the current device, so a layer on
+    cuda:1 must launch with cuda:1 current), a no-op context for anything else (the CPU, the interpreter)."""
+    if getattr(device, "type", None) != "cuda":
+        return contextlib.nullcontext()
+    import torch
+
+    return torch.cuda.device(device)
 
 
 def _capturing(device) -> bool:
@@ -146,13 +171,15 @@ class KernelRegistry:
         return (kernel_name, variant) not in self.failed
 
     def launch(self, kernel, grid, args: tuple, kwargs: dict, variant) -> bool:
-        """kernel[grid](*args, **kwargs); False (and nothing launched) when this variant cannot be built."""
+        """kernel[grid](*args, **kwargs) with the arguments' CUDA device current (`device_guard`); False
+        (and nothing launched) when this variant cannot be built."""
         name = getattr(getattr(kernel, "fn", None), "__name__", str(kernel))
         key = (name, variant)
         if key in self.failed:
             return False
         try:
-            kernel[grid](*args, **kwargs)
+            with device_guard(launch_device(args)):
+                kernel[grid](*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - filtered just below; anything else is re-raised
             if not is_build_failure(exc):
                 raise

@@ -215,7 +215,7 @@ class _Merge:
     def add(self, out: torch.Tensor, lse: torch.Tensor, rows: slice = slice(None)) -> None:
         """Fold out (B, H_q, r, D) with lse (B, H_q, r) (-inf: no key attended) into query rows `rows`."""
         acc, old = self.out[:, :, rows], self.lse[:, :, rows]
-        new = torch.logaddexp(old, lse)
+        new = _logaddexp_by_row(old, lse)
         safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
         w_old = torch.exp(old - safe).unsqueeze(-1)
         w_new = torch.exp(lse - safe).unsqueeze(-1)
@@ -224,6 +224,19 @@ class _Merge:
 
     def result(self) -> torch.Tensor:
         return self.out  # rows that attended nothing kept their zeros
+
+
+def _logaddexp_by_row(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """torch.logaddexp of (B, ...) tensors, one batch row per call, so a row's bits do not depend on B.
+
+    ATen runs an elementwise op over a contiguous tensor in vectors of 2 x 16 floats (AVX-512) and the last
+    elements one at a time, and its scalar logaddexp rounds unlike its vector one (1.4% of random inputs
+    differ in the last bit on this Xeon, where exp, log and div agree): in one call over B rows, whether an
+    element falls in the scalar tail depends on B. Per row, every B gives batch 1's layout, and so its bits
+    (lm-eval's batch N scores equal batch 1's wherever the GEMMs are row-invariant)."""
+    if a.shape[0] == 1:
+        return torch.logaddexp(a, b)
+    return torch.cat([torch.logaddexp(a[i : i + 1], b[i : i + 1]) for i in range(a.shape[0])])
 
 
 def _direct(

@@ -531,7 +531,8 @@ class FullLayer(QuantizedLayer):
             )
         shape = self.store.shape
         if not self.is_initialized:
-            self._init_storage(1, shape.num_kv_heads, shape.head_dim, self.store.dtype, self.store.device)
+            device = self.store.devices[self.layer_idx]
+            self._init_storage(1, shape.num_kv_heads, shape.head_dim, self.store.dtype, device)
         self.tables.adopt(length, sink_pages, body_pages, recent_first, recent_pages)
 
 

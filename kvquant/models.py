@@ -366,10 +366,18 @@ def _decoder_layers(model) -> list:
 
 
 def layer_devices(model) -> tuple[torch.device, ...]:
-    """The device of each decoder layer's attention weights (where its K/V, hence its pages, are made)."""
+    """The device of each decoder layer's attention weights (where its K/V, hence its pages, are made).
+    Refuses a layer whose attention weights span devices (a map that splits inside a layer's attention:
+    its K and V would be made on different devices), naming the layer and the fix."""
     out = []
-    for layer in _decoder_layers(model):
+    for i, layer in enumerate(_decoder_layers(model)):
         attn = getattr(layer, "self_attn", layer)
+        devices = sorted({str(p.device) for p in attn.parameters()})
+        if len(devices) > 1:
+            raise ValueError(
+                f"decoder layer {i}'s attention weights span {', '.join(devices)}; map the whole layer "
+                f"(model.layers.{i}) to one device, so that its K/V and pages live on one"
+            )
         out.append(next(attn.parameters()).device)
     return tuple(out)
 

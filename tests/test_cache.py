@@ -340,6 +340,27 @@ def test_left_padding_matches_sequence_alone(model, scheme, atol):
         torch.testing.assert_close(batched[i, ids.shape[1] - len(s) :], alone[0], atol=atol, rtol=0)
 
 
+@pytest.mark.parametrize("rows", [slice(None), slice(3, 17)])
+def test_merge_of_partial_softmaxes_gives_each_row_its_batch_1_bits(rows):
+    """The reference attention's log-sum-exp merge rounds a batch row as if it were alone (B=1), whatever
+    B: ATen's logaddexp over one tensor rounds its last elements (a scalar tail) unlike the rest."""
+    from kvquant.attention import _Merge
+
+    g = torch.Generator().manual_seed(0)
+    b, hq, q, d = 5, 3, 20, 8
+    parts = [(torch.randn(b, hq, q, d, generator=g), torch.randn(b, hq, q, generator=g) * 4) for _ in "ab"]
+    parts.append((torch.randn(b, hq, q, d, generator=g), torch.randn(b, hq, q, generator=g) * 4))
+    parts[1][1][1, 0, 5:9] = float("-inf")  # a row that attended no key of this part
+    merged = _Merge(b, hq, q, d, torch.float32, torch.device("cpu"))
+    for out, lse in parts:
+        merged.add(out[:, :, rows], lse[:, :, rows], rows)
+    for i in range(b):
+        alone = _Merge(1, hq, q, d, torch.float32, torch.device("cpu"))
+        for out, lse in parts:
+            alone.add(out[i : i + 1, :, rows], lse[i : i + 1, :, rows], rows)
+        assert torch.equal(merged.result()[i], alone.result()[0]) and torch.equal(merged.lse[i], alone.lse[0])
+
+
 @pytest.mark.parametrize("scheme", ["fp16", "int8"])
 def test_left_padding_generate_matches_alone(model, scheme):
     seqs, ids, mask, _ = _left_padded([11, 6], seed=20)

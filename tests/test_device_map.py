@@ -158,7 +158,8 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.skipif(sys.platform != "linux", reason="bash script")
 def test_gpu_check_devmap_phase_dry_run(tmp_path):
     """gpu_check.sh's devmap phase on the CPU (benchmarks/gpu_device_map.py --dry-run): same tokens through
-    the map, pages where each layer is, int4-g64 under half the reference's bytes; devmap.json written."""
+    the map, pages where each layer is, an Engine serving the mapped model on one store, int4-g64 under half
+    the reference's bytes; devmap.json written."""
     out = tmp_path / "check"
     env = {**os.environ, "OUT": str(out), "GPU_CHECK_PHASES": "devmap", "OMP_NUM_THREADS": "1"}
     script = str(ROOT / "benchmarks" / "gpu_check.sh")
@@ -167,6 +168,10 @@ def test_gpu_check_devmap_phase_dry_run(tmp_path):
     result = json.loads((out / "devmap.json").read_text())
     placement, memory = result["placement"], result["memory"]
     assert placement["same_tokens"] and placement["ok"] and set(placement["bytes_by_device"]) == {"cpu"}
+    engine = placement["engine"]  # an Engine on one store across the map: tokens, prefix reuse, bytes
+    assert engine["same_tokens"] and engine["reused"][1] > 0 and set(engine["held_by_device"]) == {"cpu"}
+    assert placement["kernel_launches_by_device"] == {}  # no CUDA layer: the reference path, no launch
+    assert result["placement_2gpu"] is None  # the cuda:0 / cuda:1 split runs with 2 GPUs only
     names = [r["cache"] for r in memory["rows"]]
     assert names == ["reference", "fp16", "int4-g64"] and memory["int4_vs_reference"] < 0.5
     for r in memory["rows"]:
@@ -208,3 +213,108 @@ def test_run_py_passes_the_device_map_to_the_loader(tmp_path, tiny_dir, monkeypa
     spec.loader.exec_module(run_py)
     args = run_py.build_parser().parse_args(["--scheme", "int8", "--device-map", "balanced"])
     assert run_py.config_from_args(args).device_map == "balanced"
+
+
+# ---- a shared KVStore across devices (kvquant.serving.Engine over a mapped model)
+
+SCHEME = "int4-g32,window=8"
+
+
+SHARED = 40  # tokens the prompts share
+
+
+def serve(engine, prompts, new: int = 5):
+    """Greedy continuations of each prompt, one request after another (prefix cache: a later prompt adopts
+    the shared prefix an earlier one registered); (tokens per prompt, tokens reused per prompt, bytes held
+    per device while the last request was open)."""
+    tokens, reused, by_device = [], [], {}
+    for ids in prompts:
+        cache = engine.open()
+        pre = engine.prefill(cache, ids, boundaries=[SHARED])
+        held, logits = list(ids), pre.logits
+        for _ in range(new):
+            held.append(int(logits.argmax()))
+            logits = engine.step(cache, held[-1])
+        by_device = engine.store.held_bytes_by_device()
+        assert sum(by_device.values()) == engine.store.held_bytes() > 0
+        engine.close(cache, held)
+        tokens.append(held[len(ids) :])
+        reused.append(pre.hit.reused)
+    return tokens, reused, by_device
+
+
+def prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    shared = torch.randint(2, 18, (SHARED,), generator=g).tolist()
+    return [shared + torch.randint(2, 18, (n,), generator=g).tolist() for n in (7, 12)]
+
+
+@pytest.mark.parametrize("placement", ["map", "hooks"])
+def test_engine_serves_a_mapped_model_with_its_pages_per_layer(tiny_dir, placement):
+    """An Engine over a model placed by a device map (and over accelerate's hooks, what a split model runs
+    through) keeps each layer's pool on that layer's device and serves the unmapped model's tokens, prefix
+    hits included; the bytes held are reported per device."""
+    from accelerate import dispatch_model
+
+    from kvquant.serving import Engine
+
+    plain, _ = kvquant.load_model(tiny_dir)
+    want, want_reused, _ = serve(Engine(plain, SCHEME, prefix_cache="radix"), prompts())
+    if placement == "map":
+        model, _ = kvquant.load_model(tiny_dir, device_map=cpu_map())
+    else:
+        model, _ = kvquant.load_model(tiny_dir)
+        dispatch_model(model, cpu_map(), force_hooks=True, skip_keys=model._skip_keys_device_placement)
+    engine = Engine(model, SCHEME, prefix_cache="radix")
+    assert engine.store.devices == models.layer_devices(model) == (torch.device("cpu"),) * LAYERS
+    assert all(lp.fp.device == lp.body.device == torch.device("cpu") for lp in engine.store.layers)
+    got, reused, by_device = serve(engine, prompts())
+    assert got == want and reused == want_reused and reused[1] > 0
+    assert set(by_device) == {"cpu"}
+
+
+def test_store_spans_devices_layer_by_layer(tiny_dir):
+    """One device per layer (a stand-in split: layer 1 on `meta`, which holds shapes and no data): each
+    layer's pools are made on its device, bytes are reported per device and sum to the budget's count, and
+    a cache whose layer computes elsewhere is refused naming the layer and both devices."""
+    from kvquant.paging import KVStore
+
+    model, _ = kvquant.load_model(tiny_dir)
+    devices = ["cpu", "meta", "cpu"]
+    store = KVStore(model.config, SCHEME, device=devices, prefix_cache="radix")
+    assert store.devices == tuple(map(torch.device, devices))
+    for lp, device in zip(store.layers, devices, strict=True):
+        assert {t.device.type for p in (lp.fp, lp.body) for t in p.tensors.values()} == {device}
+    pages = [(lp.fp.allocate(), lp.body.allocate()) for lp in store.layers]
+    per_layer = [lp.fp_page_bytes + lp.body_page_bytes for lp in store.layers]
+    assert store.held_bytes_by_device() == {"cpu": per_layer[0] + per_layer[2], "meta": per_layer[1]}
+    assert sum(store.held_bytes_by_device().values()) == store.held_bytes()
+    assert set(store.reserved_bytes_by_device()) == {"cpu", "meta"}
+    for lp, (fp, body) in zip(store.layers, pages, strict=True):
+        lp.fp.decref(fp)
+        lp.body.decref(body)
+    with pytest.raises(ValueError, match="this store's layers span cpu, meta: ask store.devices"):
+        _ = store.device
+    cache = kvquant.QuantizedCache(SCHEME, model.config, store=store)
+    with pytest.raises(ValueError, match=r"layer 1's pages in torch.float32 on meta, but the layer got "
+                                         r"torch.float32 on cpu.*layer_devices\(model\)"):
+        model(torch.tensor([[2, 3, 4, 5]]), cache=cache)
+
+
+def test_store_devices_must_name_every_layer(tiny_dir):
+    from kvquant.paging import KVStore
+
+    model, _ = kvquant.load_model(tiny_dir)
+    with pytest.raises(ValueError, match=f"names 2 devices but the model has {LAYERS} decoder layers"):
+        KVStore(model.config, SCHEME, device=["cpu", "cpu"])
+    assert KVStore(model.config, SCHEME, device="cpu").device == torch.device("cpu")
+    with pytest.raises(ValueError, match="a private store has no device of its own"):
+        _ = KVStore.private().device
+
+
+def test_a_layer_whose_attention_spans_devices_is_refused(tiny_dir):
+    model, _ = kvquant.load_model(tiny_dir)
+    model.model.layers[1].self_attn.v_proj.to("meta")
+    with pytest.raises(ValueError, match=r"decoder layer 1's attention weights span cpu, meta; map the whole "
+                                         r"layer \(model.layers.1\)"):
+        models.layer_devices(model)

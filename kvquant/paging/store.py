@@ -11,7 +11,7 @@ Either way a layer asks `tables_for` for its `kvquant.paging.regions.LayerTables
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -56,6 +56,11 @@ class KVStore:
     With `budget_bytes`, every page allocation first checks the budget: over it, the policy's next
     unreferenced unit of the prefix index is evicted, until the page fits; when nothing can be evicted,
     `BudgetError` names the budget and each holder (`holders`: name -> bytes held).
+
+    `device` is one device for every layer, or one per decoder layer for a model split across devices by a
+    device map (`kvquant.models.layer_devices(model)`, as `kvquant.serving.Engine` passes it): each layer's
+    pools live where that layer computes its K/V. The budget and `held_bytes()` count every device
+    together; `held_bytes_by_device()` splits them.
     """
 
     def __init__(
@@ -64,7 +69,7 @@ class KVStore:
         scheme,
         *,
         dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
+        device: torch.device | str | Sequence[torch.device | str] = "cpu",
         block_size: int = 16,
         capacity_tokens: int = 256,
         budget_bytes: int | None = None,
@@ -78,7 +83,7 @@ class KVStore:
         self.scheme = parse_scheme(scheme)
         self.shape = KVShape.from_config(config)
         self.scheme.check_head_dim(self.shape.head_dim)
-        self.dtype, self.device = dtype, torch.device(device)
+        self.dtype, self.devices = dtype, _per_layer_devices(device, self.shape.num_layers)
         self.holders: dict[str, Callable[[], int]] = {}
         acc = accounting_dtype or dtype
         h, d = self.shape.num_kv_heads, self.shape.head_dim
@@ -93,9 +98,9 @@ class KVStore:
                 sliding_window=window, layer=i,
             )
             bs = plan.block_size
-            fp = PagePool(plan.fp_fields(), plan.fp_block_size, self.device, plan.max_fp_pages, f"fp[{i}]")
-            body_pages = plan.body_pages(capacity_tokens)
-            body = PagePool(plan.body_fields(), bs, self.device, body_pages, f"body[{i}]")
+            dev = self.devices[i]
+            fp = PagePool(plan.fp_fields(), plan.fp_block_size, dev, plan.max_fp_pages, f"fp[{i}]")
+            body = PagePool(plan.body_fields(), bs, dev, plan.body_pages(capacity_tokens), f"body[{i}]")
             fp_b, body_b = plan.page_bytes(acc)
             self.plans.append(plan)
             self.layers.append(
@@ -117,7 +122,7 @@ class KVStore:
         store = cls.__new__(cls)
         store.shared = False
         store.scheme = store.shape = store.index = None
-        store.holders, store.layers, store.plans = {}, [], []
+        store.holders, store.layers, store.plans, store.devices = {}, [], [], ()
         store._own: dict[int, LayerPools] = {}
         store.policy = make_policy("none")
         store.budget = PageBudget(store, None, store.policy, None)
@@ -146,6 +151,17 @@ class KVStore:
         return LayerTables(lp.fp, lp.body, plan, batch, private=not self.shared)
 
     # ---- sizes
+
+    @property
+    def device(self) -> torch.device:
+        """The device of every layer's pools; a store spanning devices has no one device (see `devices`)."""
+        if not self.shared:
+            raise ValueError("a private store has no device of its own: each layer's pools are made where "
+                             "that layer first writes")
+        if len(set(self.devices)) != 1:
+            spread = sorted(set(map(str, self.devices)))
+            raise ValueError(f"this store's layers span {', '.join(spread)}: ask store.devices[layer]")
+        return self.devices[0]
 
     @property
     def block_size(self) -> int:
@@ -196,12 +212,28 @@ class KVStore:
             lp.fp.in_use * lp.fp_page_bytes + lp.body.in_use * lp.body_page_bytes for lp in self.layers
         )
 
+    def held_bytes_by_device(self) -> dict[str, int]:
+        """`held_bytes()` per device (`{"cuda:0": ..., "cpu": ...}`), each layer counted where its pools live;
+        sums to `held_bytes()`."""
+        out: dict[str, int] = {}
+        for lp, device in zip(self.layers, self.devices, strict=True):
+            key = str(device)
+            out[key] = out.get(key, 0) + lp.fp.in_use * lp.fp_page_bytes + lp.body.in_use * lp.body_page_bytes
+        return out
+
     def pages_in_use(self) -> int:
         return sum(lp.fp.in_use + lp.body.in_use for lp in self.layers)
 
     def reserved_bytes(self) -> int:
         """Bytes the pools have preallocated (at the compute dtype), used or not."""
         return sum(lp.fp.reserved_bytes + lp.body.reserved_bytes for lp in self.layers)
+
+    def reserved_bytes_by_device(self) -> dict[str, int]:
+        """`reserved_bytes()` per device, each layer's pools counted where they live."""
+        out: dict[str, int] = {}
+        for lp, device in zip(self.layers, self.devices, strict=True):
+            out[str(device)] = out.get(str(device), 0) + lp.fp.reserved_bytes + lp.body.reserved_bytes
+        return out
 
     def caches_bytes(self, caches) -> int:
         """Bytes of the distinct pages the `QuantizedCache`s on this store hold together (accounting dtype;
@@ -241,10 +273,35 @@ class KVStore:
         if not self.shared:
             return f"KVStore(private, {len(self._own)} layers)"
         budget = "no budget" if self.budget_bytes is None else f"budget {self.budget_bytes:,} B"
+        devices = sorted(set(map(str, self.devices)))
         return (
-            f"KVStore({self.scheme}, {len(self.layers)} layers, block_size={self.block_size}, "
-            f"{self.held_bytes():,} B held, {budget})"
+            f"KVStore({self.scheme}, {len(self.layers)} layers on {', '.join(devices)}, "
+            f"block_size={self.block_size}, {self.held_bytes():,} B held, {budget})"
         )
+
+
+def _one_device(device: torch.device | str) -> torch.device:
+    """torch.device(device), with CUDA's current index when none is given ("cuda" -> "cuda:0"): K/V tensors
+    carry their index, so the store's devices must too to compare equal."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _per_layer_devices(
+    device: torch.device | str | Sequence[torch.device | str], layers: int
+) -> tuple[torch.device, ...]:
+    """One device per decoder layer from one device or a sequence of them (one per layer)."""
+    if isinstance(device, (str, torch.device)):
+        return (_one_device(device),) * layers
+    devices = tuple(_one_device(d) for d in device)
+    if len(devices) != layers:
+        raise ValueError(
+            f"device= names {len(devices)} devices but the model has {layers} decoder layers; pass one "
+            "device, or one per layer (kvquant.models.layer_devices(model))"
+        )
+    return devices
 
 
 def _private_pools(plan: LayerPlan, batch: int, capacity: int, device: torch.device) -> LayerPools:
@@ -276,10 +333,11 @@ def _shared_pools(
             f"the shared store holds {shape.num_kv_heads} KV heads of head_dim {shape.head_dim}, but "
             f"layer {i} got {plan.heads} of {plan.head_dim}; one store serves one model"
         )
-    if (dtype, device) != (store.dtype, store.device):
+    if (dtype, device) != (store.dtype, store.devices[i]):
         raise ValueError(
-            f"the shared store holds {store.dtype} on {store.device}, layer {i} got {dtype} on "
-            f"{device}; make the store with the model's dtype and device"
+            f"the shared store holds layer {i}'s pages in {store.dtype} on {store.devices[i]}, but the layer "
+            f"got {dtype} on {device}; make the store with the model's dtype and each layer's device "
+            "(KVStore(..., device=kvquant.models.layer_devices(model)), as kvquant.serving.Engine does)"
         )
     if lp.sliding_window != plan.sliding_window:
         raise ValueError(

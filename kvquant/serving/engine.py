@@ -17,6 +17,11 @@ The store holds the prefix index, the eviction policy and the byte budget beside
 that would exceed the budget evicts cached units in the policy's order (`kvquant.paging.budget`); the engine
 only asks the policy to trim running sequences after every forward (`sliding:W`). All requests run one at a
 time through the model (no batching); they hold pages concurrently, which is what the budget measures.
+
+A model split across devices by a device map (`kvquant.load_model(path, device_map=...)`) is served as it
+is: the store keeps each layer's pages on that layer's device (`kvquant.models.layer_devices`), the ids go
+to the input embeddings' device, the budget counts every device together and
+`engine.store.held_bytes_by_device()` splits the bytes held.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..cache import QuantizedCache
+from ..models import input_device, layer_devices
 from ..paging import EvictionPolicy, KVStore, PrefixIndex
 from .prefix import Hit, attach, register
 
@@ -119,11 +125,12 @@ class Engine:
     ):
         _check_engine_args(budget_bytes, block_size, prefill_chunk, capacity_tokens)
         self.model = model
+        self.input_device = input_device(model)  # a split model takes its ids on its first device
         self.store = KVStore(
             model.config,
             scheme,
             dtype=model.dtype,
-            device=model.device,
+            device=layer_devices(model),  # each layer's pages where its K/V are (a device map splits them)
             block_size=block_size,
             capacity_tokens=capacity_tokens,
             budget_bytes=budget_bytes,
@@ -265,7 +272,7 @@ class Engine:
         out = None
         try:
             for lo, hi in zip([start, *cuts], [*cuts, len(ids)], strict=True):
-                x = torch.tensor([ids[lo:hi]], device=self.model.device)
+                x = torch.tensor([ids[lo:hi]], device=self.input_device)
                 out = self.model(x, cache=cache, logits_to_keep=1)
                 fed.ran(ids, hi)
                 if self.index is not None and hi < len(ids):
@@ -286,7 +293,7 @@ class Engine:
         self._check_request(cache, [int(token)])
         fed = self._record(cache)
         try:
-            out = self.model(torch.tensor([[int(token)]], device=self.model.device), cache=cache)
+            out = self.model(torch.tensor([[int(token)]], device=self.input_device), cache=cache)
         except BaseException:
             cache.reset()
             self._fed.pop(cache, None)
