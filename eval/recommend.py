@@ -52,10 +52,21 @@ GPUS: dict[str, float] = {
 }
 GPU_UTILIZATION = 0.92  # vLLM's gpu_memory_utilization default (vllm/config/cache.py)
 DEFAULT_TOLERANCE = 0.01  # drift interval within +-1% in every bucket
-# kvquant recipes shown for contrast, by the nominal bits they compare with
+# kvquant recipes shown for contrast, by the nominal bits they compare with; the last of each is kvquant's best
+# at those bits on the default model (docs/results.md, "The research recipes": 4.5 and 3.5 bits)
 KVQUANT_RECIPES: dict[int, tuple[str, ...]] = {
     8: ("k=int8-channel-g64,v=int8-head",),
-    4: ("k=int4-channel-g64,v=int4-g64", "int4-g64-rot"),
+    4: ("k=int4-channel-g64,v=int4-g64", "int4-g64-rot",
+        "k=int4-channel-g64-rot,v=int4-g64-rot,sink=4,window=128"),
+    3: ("k=int4-channel-g64-rot,v=int2-g64-rot,sink=4,window=128",),
+}
+# the recipes each engine's table shows: llama.cpp's 8- and 4-bit block types against all of 8 and 4; vLLM's
+# int4_per_token_head and TurboQuant presets (3 to 6 bits) against kvquant's best at 8, 4.5 and 3.5 bits
+ENGINE_RECIPES: dict[str, tuple[str, ...]] = {
+    "vllm": (KVQUANT_RECIPES[8][-1], KVQUANT_RECIPES[4][-1], KVQUANT_RECIPES[3][-1]),
+    "llama.cpp": KVQUANT_RECIPES[8] + KVQUANT_RECIPES[4],
+    "sglang": KVQUANT_RECIPES[8],
+    "trtllm": KVQUANT_RECIPES[8] + KVQUANT_RECIPES[4][:2],
 }
 
 
@@ -186,9 +197,7 @@ def candidates_for(engine: str, model: str | None = None, facts=None) -> Plan:
             cands.append(Candidate(f"layers={ranges}", "fp8 skip sliding_window", "skip-layers",
                                    _deploy("vllm", name, gguf, "fp8")
                                    + " --kv-cache-dtype-skip-layers sliding_window"))
-    bits = {8} if engine in ("vllm", "sglang") else {8, 4}
-    for b in sorted(bits, reverse=True):
-        cands += [Candidate(r, f"kvquant {r}", "kvquant") for r in KVQUANT_RECIPES[b]]
+    cands += [Candidate(r, f"kvquant {r}", "kvquant") for r in ENGINE_RECIPES[engine]]
     kept = []
     for c in cands:
         try:
