@@ -605,3 +605,24 @@ def _write(rec: Recommendation) -> None:
         "skipped": [{"label": s.label, "reason": s.reason} for s in rec.plan.skipped],
     }
     (rec.out / "recommendation.json").write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
+    _write_csv(rec.out / "recommendation.csv", rec.rows)
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    """The ranked table as numbers: one row per candidate and mode-bucket (prefill buckets, then each mode's
+    whole-document `all` row), drift with its interval, KL, bytes per token and the verdict."""
+    import csv
+
+    cols = ["rank", "label", "kind", "scheme", "mode", "bucket", "drift", "drift_lo", "drift_hi", "kl",
+            "kl_p99", "effective_bits", "bytes_per_token", "requests", "within"]
+    with path.open("w", newline="", encoding="utf-8") as f:
+        out = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        out.writeheader()
+        for i, r in enumerate(rows, 1):
+            c = r["candidate"]
+            base = {"rank": i, "label": c.label, "kind": c.kind, "scheme": c.scheme,
+                    "bytes_per_token": r["bytes"], "requests": r["requests"], "within": r["ok"]}
+            parts = [("prefill", b) for b in r.get("prefill_buckets", [])]
+            parts += [(m, r.get(m)) for m in ("prefill", "cache") if r.get(m)]
+            for mode, m in parts:
+                out.writerow(base | {k: m.get(k) for k in cols if k in m} | {"mode": mode})

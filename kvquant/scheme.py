@@ -10,7 +10,8 @@ A scheme string is a comma-separated list of items:
     layers=R:SPEC+R:K/V   per-layer specs over layer ranges   layers=0-3:int8+4-29:int4-g64
                           (R is A-B or A; the ranges tile layers 0..N-1; K/V gives K and V apart)
     calib=FILE            calibration file (codebooks) of     calib=calib/smollm2-nuq.safetensors
-                          `experiments/calibrate.py`
+                          `experiments/calibrate.py`; for vllm:fp8, a file of vLLM k_scale / v_scale
+                          (`experiments/export_scales.py`)    vllm:fp8,calib=DIR/kv_scales.safetensors
     budget=B              the per-layer allocation at B       budget=3.0,calib=FILE
                           average bits stored in calib=FILE by `experiments/allocate.py --write-calib`
                           (resolved on parsing into its layers= scheme)

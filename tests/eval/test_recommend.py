@@ -123,6 +123,14 @@ def test_recommend_vllm_end_to_end_and_resume(tiny4_dir, tiny_corpus, tmp_path):
     assert "nvfp4" in text  # listed as not measured, with the reason
     saved = json.loads((out / "recommendation.json").read_text())
     assert saved["pick"]["deploy"] == rec.pick.deploy
+    import csv
+
+    with (out / "recommendation.csv").open() as f:
+        table = list(csv.DictReader(f))
+    alls = [(t["label"], t["mode"]) for t in table if t["bucket"] == "all"]
+    assert sorted(alls) == sorted((label, m) for label in labels for m in ("prefill", "cache"))
+    first = next(t for t in table if t["rank"] == "1" and t["mode"] == "prefill" and t["bucket"] == "all")
+    assert float(first["kl"]) == rec.rows[0]["kl"] and first["label"] == labels[0]
     for mode in ("prefill", "cache"):
         assert (out / mode / "report.md").is_file() and (out / mode / "summary.csv").is_file()
     rows_before = {m: (out / m / "results.jsonl").read_text() for m in ("prefill", "cache")}
