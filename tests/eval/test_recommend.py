@@ -169,6 +169,16 @@ def test_recommend_rejects_bad_tolerance():
         recommend("vllm", None, tolerance=0.0)
 
 
+def test_export_is_refused_before_loading(tmp_path):
+    """--export writes vLLM's k_scale / v_scale: another engine, or a file where the folder should be, is
+    refused before any model loads."""
+    with pytest.raises(RunError, match="takes --engine vllm, not llama.cpp"):
+        recommend("llama.cpp", None, export=str(tmp_path))
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(RunError, match="is a file"):
+        recommend("vllm", None, export=str(tmp_path / "f"))
+
+
 # docs/scale.md's commands for the sweep as a job array (test_sweep_shards_and_merge_equal_one_process)
 REC_SHARD = "python experiments/recommend.py --engine vllm --out runs/rec --shard ${JOB_COMPLETION_INDEX}/2"
 REC_MERGE = "python experiments/recommend.py --engine vllm --out runs/rec --merge"
