@@ -478,6 +478,20 @@ def check_fits(config: RunConfig, schemes, facts: ModelFacts) -> None:
             raise RunError(f"scheme {scheme}: {e} ({facts.source})") from None
 
 
+def quantizes_nothing(scheme, length: int, flag: str = "--max-length") -> str | None:
+    """Why a kvquant `Scheme` quantizes no token of a `length`-token sequence (its sink and window hold every
+    token, or its token group never fills), or None when it quantizes some."""
+    if scheme.is_fp16:
+        return None
+    layers = [scheme.for_layer(r.first) for r in scheme.layers] or [scheme]
+    if not all(la.is_fp16 or la.quantized_end(length) <= min(la.sink, length) for la in layers):
+        return None
+    group = scheme.tokens_per_flush
+    after = f" (and whole groups of {group} tokens must fit after them)" if group > 1 else ""
+    return (f"scheme {scheme} quantizes nothing at {flag} {length}: sink={scheme.sink} and "
+            f"window={scheme.window} keep every token unquantized{after}")
+
+
 def check_quantizes(config: RunConfig, schemes) -> None:
     """Refuse a kvquant scheme that would quantize nothing at this length (its sink and window hold every
     token, or its token group never fills): it would report the bits of a scheme never applied."""
@@ -485,17 +499,10 @@ def check_quantizes(config: RunConfig, schemes) -> None:
     flag = "--lengths" if config.is_retrieval else "--max-length"
     for s in schemes:
         scheme = getattr(s, "scheme", None)
-        if scheme is None or scheme.is_fp16:
-            continue
-        layers = [scheme.for_layer(r.first) for r in scheme.layers] or [scheme]
-        if all(la.is_fp16 or la.quantized_end(length) <= min(la.sink, length) for la in layers):
-            group = scheme.tokens_per_flush
-            after = f" (and whole groups of {group} tokens must fit after them)" if group > 1 else ""
-            raise RunError(
-                f"scheme {scheme} quantizes nothing at {flag} {length}: sink={scheme.sink} and "
-                f"window={scheme.window} keep every token unquantized{after}, so it would report the bits "
-                f"of a scheme never applied; lower window/sink, use a smaller group, or raise {flag}"
-            )
+        reason = None if scheme is None else quantizes_nothing(scheme, length, flag)
+        if reason is not None:
+            raise RunError(f"{reason}, so it would report the bits of a scheme never applied; lower "
+                           f"window/sink, use a smaller group, or raise {flag}")
 
 
 @dataclass(frozen=True)
@@ -706,9 +713,13 @@ CALIB_FORMAT = "kvquant-calibration/1"  # kvquant.calibration.FORMAT (a test kee
 def check_calib_file(path: str, scheme: str = "") -> None:
     """A scheme's calib= file, checked without torch before any model work: NAME.safetensors with a readable
     header whose tensors all lie in the file (not truncated, not a pickle renamed), and NAME.json beside it,
-    a kvquant calibration's metadata (a JSON object of the right format). Raises RunError naming the fix."""
+    a kvquant calibration's metadata (a JSON object of the right format); or a file of vLLM k_scale /
+    v_scale tensors only (`experiments/export_scales.py`, `recommend.py --export`), which needs no JSON.
+    Raises RunError naming the fix."""
     import json
     import struct
+
+    from kvquant.calibfile import is_kv_scale_names
 
     what = f"scheme {scheme}: calib={path}" if scheme else f"calib={path}"
     fix = (
@@ -722,9 +733,8 @@ def check_calib_file(path: str, scheme: str = "") -> None:
         p if p.suffix == ".safetensors" else p.with_name(p.name + ".safetensors")
     )
     js = st.with_suffix(".json")
-    for f in (st, js):
-        if not f.is_file():
-            raise RunError(f"{what}: {f} does not exist{' (a directory)' if f.is_dir() else ''}; {fix}")
+    if not st.is_file():
+        raise RunError(f"{what}: {st} does not exist{' (a directory)' if st.is_dir() else ''}; {fix}")
     size = st.stat().st_size
     try:
         with st.open("rb") as f:
@@ -744,6 +754,10 @@ def check_calib_file(path: str, scheme: str = "") -> None:
             raise ValueError(f"truncated: its tensors end at byte {8 + n + end:,}, the file has {size:,}")
     except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as e:
         raise RunError(f"{what}: {st} is not a readable safetensors file ({e}); {fix}") from None
+    if is_kv_scale_names(header):  # vLLM's k_scale / v_scale: kvquant.export reads them, no JSON beside
+        return
+    if not js.is_file():
+        raise RunError(f"{what}: {js} does not exist{' (a directory)' if js.is_dir() else ''}; {fix}")
     try:
         meta = json.loads(js.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as e:

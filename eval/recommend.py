@@ -14,6 +14,14 @@ The pick: the engine format (or skip-layer variant) with the fewest bytes per to
 interval lies within +-tolerance in every bucket; when none does, the one with the lowest KL. kvquant's
 recipes are never the pick (no engine runs them); the report says what the best of them would gain.
 
+With `export` (`--export DIR`, vLLM only) the per-layer FP8 k_scale / v_scale are computed on calibration text
+(other documents of the corpus than the evaluation's; llm-compressor's max|x| / 448, `kvquant.export`),
+written
+as vLLM loads them (DIR/kv_scales.safetensors, DIR/kv_cache_scheme.json) and scored as the row
+`fp8 (calibrated)`: the scheme `vllm:fp8,calib=DIR/kv_scales.safetensors`, whose codecs divide by exactly
+the scales in that file, beside vLLM's default scale 1.0 (`fp8`). An existing DIR/kv_scales.safetensors is
+used as it is (a rerun, a shard or a torchrun rank evaluates the same file).
+
 Formats that follow another engine's arithmetic stand in for an engine whose own is not reproduced here
 (SGLang's and TensorRT-LLM's FP8 are scored with vLLM's saturating E4M3 write, TensorRT-LLM's NVFP4 with
 ggml's block): their rows say `proxy`.
@@ -21,6 +29,7 @@ ggml's block): their rows say `proxy`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -52,10 +61,21 @@ GPUS: dict[str, float] = {
 }
 GPU_UTILIZATION = 0.92  # vLLM's gpu_memory_utilization default (vllm/config/cache.py)
 DEFAULT_TOLERANCE = 0.01  # drift interval within +-1% in every bucket
-# kvquant recipes shown for contrast, by the nominal bits they compare with
+# kvquant recipes shown for contrast, by the nominal bits they compare with; the last of each is kvquant's
+# best at those bits on the default model (docs/results.md, "The research recipes": 4.5 and 3.5 bits)
 KVQUANT_RECIPES: dict[int, tuple[str, ...]] = {
     8: ("k=int8-channel-g64,v=int8-head",),
-    4: ("k=int4-channel-g64,v=int4-g64", "int4-g64-rot"),
+    4: ("k=int4-channel-g64,v=int4-g64", "int4-g64-rot",
+        "k=int4-channel-g64-rot,v=int4-g64-rot,sink=4,window=128"),
+    3: ("k=int4-channel-g64-rot,v=int2-g64-rot,sink=4,window=128",),
+}
+# the recipes each engine's table shows: llama.cpp's 8- and 4-bit block types against all of 8 and 4; vLLM's
+# int4_per_token_head and TurboQuant presets (3 to 6 bits) against kvquant's best at 8, 4.5 and 3.5 bits
+ENGINE_RECIPES: dict[str, tuple[str, ...]] = {
+    "vllm": (KVQUANT_RECIPES[8][-1], KVQUANT_RECIPES[4][-1], KVQUANT_RECIPES[3][-1]),
+    "llama.cpp": KVQUANT_RECIPES[8] + KVQUANT_RECIPES[4],
+    "sglang": KVQUANT_RECIPES[8],
+    "trtllm": KVQUANT_RECIPES[8] + KVQUANT_RECIPES[4][:2],
 }
 
 
@@ -97,6 +117,7 @@ class Recommendation:
     seconds: float = 0.0
     run_dirs: dict[str, Path] = field(default_factory=dict)
     part_only: bool = False  # a shard's (or a torchrun rank's) part was measured: nothing ranked yet
+    exported: str = ""  # with --export: where the calibrated scales are and what they are, one line
 
 
 # ------------------------------------------------------------------------------------------ candidates
@@ -130,10 +151,10 @@ def _llama_cpp(model: str, gguf: str | None) -> list[Candidate]:
 VLLM_TURBOQUANT = ("turboquant_k8v4", "turboquant_4bit_nc", "turboquant_k3v4_nc", "turboquant_3bit_nc")
 
 
-def candidates_for(engine: str, model: str | None = None, facts=None) -> Plan:
+def candidates_for(engine: str, model: str | None = None, facts=None, scales: str | None = None) -> Plan:
     """The formats `engine` offers for this model, its skip-layer variants and kvquant's contrast recipes,
     each checked against the model's shape (read from its config file, nothing loaded); refusals name the
-    rule."""
+    rule. scales: a vLLM k/v scales file (`--export`): adds `fp8 (calibrated)`, vllm:fp8 reading it."""
     from kvquant.scheme import ENGINE_REFUSED, SchemeError, parse_scheme
 
     if engine not in ENGINES:
@@ -145,8 +166,15 @@ def candidates_for(engine: str, model: str | None = None, facts=None) -> Plan:
     if engine == "vllm":
         from kvquant.codecs.engine_vllm import vllm_cache_scheme
 
-        for n in ("fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"):
+        for n in ("fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head", "int4_per_token_head"):
             cands.append(Candidate(f"vllm:{n}", n, "engine", _deploy("vllm", name, gguf, n)))
+        if scales is not None:
+            folder = Path(scales).parent
+            cands.append(Candidate(
+                f"vllm:fp8,calib={scales}", "fp8 (calibrated)", "engine",
+                _deploy("vllm", name, gguf, "fp8") + f"  # the checkpoint with {folder}'s scales merged in",
+                note=f"k_scale / v_scale of {scales}",
+            ))
         if facts.layers is not None:  # as vLLM serves them: its two boundary layers at each end unquantized
             for n in VLLM_TURBOQUANT:
                 served = vllm_cache_scheme(n, facts.layers)
@@ -186,9 +214,7 @@ def candidates_for(engine: str, model: str | None = None, facts=None) -> Plan:
             cands.append(Candidate(f"layers={ranges}", "fp8 skip sliding_window", "skip-layers",
                                    _deploy("vllm", name, gguf, "fp8")
                                    + " --kv-cache-dtype-skip-layers sliding_window"))
-    bits = {8} if engine in ("vllm", "sglang") else {8, 4}
-    for b in sorted(bits, reverse=True):
-        cands += [Candidate(r, f"kvquant {r}", "kvquant") for r in KVQUANT_RECIPES[b]]
+    cands += [Candidate(r, f"kvquant {r}", "kvquant") for r in ENGINE_RECIPES[engine]]
     kept = []
     for c in cands:
         try:
@@ -268,6 +294,7 @@ def recommend(
     shard: Shard | None = None,
     merge: bool = False,
     passkey: bool = False,
+    export: str | None = None,
 ) -> Recommendation:
     """Measure every candidate of `candidates_for(engine, model)` in prefill and cache mode (two run
     directories under `out`, each resumable) and rank them. Raises RunError for bad input before any model
@@ -278,12 +305,14 @@ def recommend(
     shard (`--shard I/N`, a job array) this process measures its part of both runs and ranks nothing
     (`part_only`); merge (`--merge`) measures nothing and ranks from every shard's results. passkey: also a
     passkey grid in prefill mode (one length, depths 0, 0.5, 1, one trial; its own run directory), whose
-    exact-match rate becomes a column of the table (not a criterion of the pick)."""
+    exact-match rate becomes a column of the table (not a criterion of the pick). export: a folder for vLLM's
+    calibrated FP8 k_scale / v_scale (module docstring), scored as the row `fp8 (calibrated)`."""
     from .runner import run
 
     _check_target(gpu, tolerance)
+    scales = _check_export(export, engine)
     facts = model_facts(model)
-    plan = candidates_for(engine, model, facts)
+    plan = candidates_for(engine, model, facts, scales=None if scales is None else str(scales))
     if not plan.candidates:
         raise RunError(f"{engine} offers no format kvquant can measure for this model: "
                        + "; ".join(f"{s.label}: {s.reason}" for s in plan.skipped))
@@ -292,6 +321,7 @@ def recommend(
         chunk = chunk or 256
         docs = docs or 1
     length = max_length or facts.positions or 8192
+    plan = _drop_idle(plan, min(length, max(min(length, PASSKEY_LENGTH), 128)) if passkey else length)
     corpus = corpus or ("shakespeare" if length > 16384 else "wikipedia")
     default = _slug(f"{engine}-{Path(plan.model_name).name}-{length}" + ("-quick" if quick else ""))
     root = Path(out) if out else Path("runs") / "recommend" / default
@@ -302,24 +332,93 @@ def recommend(
         tuple(c.scheme for c in plan.candidates), root, passkey, model=model, corpus=corpus, length=length,
         chunk=chunk, docs=docs, device=device, dtype=dtype, force=force, shard=shard, merge=merge,
     )
+    exported = ""
+    if scales is not None:
+        exported = _export_scales(scales, configs["prefill"], model_obj, tokenizer, quick=quick, merge=merge)
     for name, config in configs.items():
         run_dir, summary = run(config, model=model_obj, tokenizer=tokenizer)
         summaries[name], run_dirs[name] = summary, run_dir
     if not all(summaries.values()):  # a shard's or a torchrun rank's part: the report is --merge's / rank 0's
         seconds = time.perf_counter() - t0
-        return Recommendation(plan, [], None, "", "", root, seconds, run_dirs, part_only=True)
+        return Recommendation(plan, [], None, "", "", root, seconds, run_dirs, part_only=True,
+                              exported=exported)
     retrieval = summaries.pop("passkey", None)
     rows = _merge(plan, summaries)
     if retrieval is not None:
         _add_passkey(rows, retrieval)
     ranked, pick, better = _rank(rows, tolerance, facts, gpu, weights_gb, length)
     table = _table(ranked, plan, gpu, length, tolerance)
-    rec = Recommendation(plan, ranked, pick, better, table, root, time.perf_counter() - t0, run_dirs)
+    rec = Recommendation(plan, ranked, pick, better, table, root, time.perf_counter() - t0, run_dirs,
+                         exported=exported)
     _write(rec)
     return rec
 
 
 PASSKEY_LENGTH = 1024  # the passkey column's prompt length (the run's length where shorter)
+EXPORT_DOCS, EXPORT_LENGTH = 8, 2048  # calibration text of --export (experiments/export_scales.py's defaults)
+
+
+def _drop_idle(plan: Plan, length: int) -> Plan:
+    """The plan less the kvquant recipes that quantize nothing at `length` (a window of 128 tokens at
+    --max-length 64), listed as skipped with the reason; the run harness would refuse them."""
+    from kvquant.scheme import parse_scheme
+
+    from .config import quantizes_nothing
+
+    kept, skipped = [], list(plan.skipped)
+    for c in plan.candidates:
+        reason = quantizes_nothing(parse_scheme(c.scheme), length) if c.kind == "kvquant" else None
+        if reason is None:
+            kept.append(c)
+        else:
+            skipped.append(Skipped(c.label, reason))
+    return dataclasses.replace(plan, candidates=tuple(kept), skipped=tuple(skipped))
+
+
+def _check_export(export: str | None, engine: str) -> Path | None:
+    """The scales file --export names (DIR/kv_scales.safetensors), or None; RunError before any model loads
+    for an engine that does not read vLLM's k_scale / v_scale or a DIR that is a file."""
+    if export is None:
+        return None
+    from kvquant.export import SCALES_FILE
+
+    if engine != "vllm":
+        raise RunError(f"--export writes vLLM's FP8 k_scale / v_scale and scores them; it takes --engine "
+                       f"vllm, not {engine}")
+    folder = Path(export)
+    if folder.exists() and not folder.is_dir():
+        raise RunError(f"--export {export} is a file; name a folder for kv_scales.safetensors")
+    return folder / SCALES_FILE
+
+
+def _export_scales(path: Path, config: RunConfig, model_obj, tokenizer, *, quick: bool, merge: bool) -> str:
+    """Compute vLLM's per-layer FP8 scales on calibration text apart from the documents `config` evaluates,
+    and write them to `path` (unless it exists: then those are the scales scored). Returns one line for the
+    report. The model is loaded here (and freed) unless model_obj is given."""
+    from kvquant.eval.calibration import calibration_documents
+
+    from kvquant.export import describe, kv_absmax, load_kv_scales, save_kv_scales, scales_from_absmax
+
+    from .harness import load_model
+    from .runner import evaluation_titles
+
+    if path.is_file():
+        return f"scored the existing {path}: {describe(load_kv_scales(path))}"
+    if merge:
+        raise RunError(f"--merge scores {path}, which does not exist: the shards' --export writes it")
+    model, tok, _ = load_model(config, model_obj, tokenizer)
+    titles = evaluation_titles(config, tok)
+    docs, length = (2 if quick else EXPORT_DOCS), min(EXPORT_LENGTH, config.max_length)
+    text = calibration_documents(tok, config.corpus, docs, length, exclude_from=None, exclude_titles=titles)
+    k_amax, v_amax = kv_absmax(model, [t.to(next(model.parameters()).device) for t in text.ids])
+    scales = scales_from_absmax(k_amax, v_amax)
+    meta = {"model": config.model or "SmolLM2-135M-Instruct (embedded)", "corpus": config.corpus,
+            "documents": text.titles, "tokens": text.tokens, "observer": "minmax (max|x| / fp8 max)",
+            "excluded": titles}
+    save_kv_scales(scales, path.parent, metadata=meta)
+    logger.info("wrote %s: %s", path, describe(scales))
+    return (f"wrote {path} from {len(text.ids)} calibration documents ({text.tokens:,} tokens, none of the "
+            f"evaluated ones): {describe(scales)}")
 
 
 def _check_target(gpu: str, tolerance: float) -> None:
@@ -478,6 +577,10 @@ def report_text(rec: Recommendation) -> str:
         lines.append("")
     if rec.pick is not None:
         lines += ["Deploy:", "", f"    {rec.pick.deploy}", ""]
+    if rec.exported:
+        lines += [f"Calibrated FP8 scales: {rec.exported}. To serve them, copy kv_scales.safetensors into "
+                  "the checkpoint folder (names added to model.safetensors.index.json if it has one) and "
+                  "merge kv_cache_scheme.json's quantization_config into config.json (docs/engines.md).", ""]
     if rec.better:
         lines += [rec.better, ""]
     lines.append("Runs (resumable; report.md and plots inside): "
@@ -502,3 +605,24 @@ def _write(rec: Recommendation) -> None:
         "skipped": [{"label": s.label, "reason": s.reason} for s in rec.plan.skipped],
     }
     (rec.out / "recommendation.json").write_text(json.dumps(data, indent=1, default=str), encoding="utf-8")
+    _write_csv(rec.out / "recommendation.csv", rec.rows)
+
+
+def _write_csv(path: Path, rows: list[dict]) -> None:
+    """The ranked table as numbers: one row per candidate and mode-bucket (prefill buckets, then each mode's
+    whole-document `all` row), drift with its interval, KL, bytes per token and the verdict."""
+    import csv
+
+    cols = ["rank", "label", "kind", "scheme", "mode", "bucket", "drift", "drift_lo", "drift_hi", "kl",
+            "kl_p99", "effective_bits", "bytes_per_token", "requests", "within"]
+    with path.open("w", newline="", encoding="utf-8") as f:
+        out = csv.DictWriter(f, fieldnames=cols, extrasaction="ignore")
+        out.writeheader()
+        for i, r in enumerate(rows, 1):
+            c = r["candidate"]
+            base = {"rank": i, "label": c.label, "kind": c.kind, "scheme": c.scheme,
+                    "bytes_per_token": r["bytes"], "requests": r["requests"], "within": r["ok"]}
+            parts = [("prefill", b) for b in r.get("prefill_buckets", [])]
+            parts += [(m, r.get(m)) for m in ("prefill", "cache") if r.get(m)]
+            for mode, m in parts:
+                out.writerow(base | {k: m.get(k) for k in cols if k in m} | {"mode": mode})

@@ -64,6 +64,7 @@ __all__ = [
     "run",
     "resolve_schemes",
     "check_device",
+    "evaluation_titles",
     "DEFAULT_DOCS",
     "DEFAULT_CHUNK",
     "DEFAULT_MAX_LENGTH",
@@ -151,6 +152,12 @@ def _select_documents(
             config.max_length,
         )
     return chosen, ids, [docs[i].title for i in chosen]
+
+
+def evaluation_titles(config: RunConfig, tokenizer) -> list[str]:
+    """The titles of the documents `run(config)` evaluates (the same selection), e.g. to keep calibration
+    text apart from them."""
+    return _select_documents(config, _load_documents(config), tokenizer)[2]
 
 
 # ------------------------------------------------------------------------------------- points and progress

@@ -4,6 +4,7 @@
     python experiments/recommend.py --engine vllm                   # default model, its full 8,192 positions
     python experiments/recommend.py --engine vllm --model path/to/model --gpu h100
     python experiments/recommend.py --engine vllm --quick --passkey          # + a passkey exact-match column
+    python experiments/recommend.py --engine vllm --export calib/kv-scales   # + calibrated FP8 scales scored
     python experiments/recommend.py --engine vllm --out runs/rec --shard 0/4  # ... 3/4, then --merge
     torchrun --nproc-per-node 4 experiments/recommend.py --engine vllm --device cuda --out runs/rec
 
@@ -52,6 +53,9 @@ def build_parser():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--passkey", action="store_true",
                    help="also a passkey grid in prefill mode: an exact-match column (not a criterion)")
+    p.add_argument("--export", default=None, metavar="DIR",
+                   help="vLLM: write calibrated FP8 k_scale / v_scale to DIR (kv_scales.safetensors, "
+                        "kv_cache_scheme.json) and score them as the row 'fp8 (calibrated)'")
     part = p.add_mutually_exclusive_group()
     part.add_argument("--shard", default=None, metavar="I/N",
                       help="a job-array task: measure shard I of N of every run of the sweep (no ranking)")
@@ -74,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.engine, args.model, corpus=args.corpus, max_length=args.max_length, docs=args.docs,
             chunk=args.chunk, out=args.out, gpu=args.gpu, weights_gb=args.weights_gb,
             tolerance=args.tolerance, quick=args.quick, force=args.force, device=args.device,
-            dtype=args.dtype, passkey=args.passkey, merge=args.merge,
+            dtype=args.dtype, passkey=args.passkey, merge=args.merge, export=args.export,
             shard=parse_shard(args.shard) if args.shard is not None else None,
         )
     except RunError as e:

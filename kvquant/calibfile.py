@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 from .spec_types import SchemeError
 
-__all__ = ["CalibrationError", "calib_paths", "stored_allocation"]
+__all__ = ["KV_SCALE_NAME", "CalibrationError", "calib_paths", "is_kv_scale_names", "stored_allocation"]
+
+# a checkpoint's FP8 KV-cache scale, as llm-compressor writes and vLLM loads it (`kvquant.export`)
+KV_SCALE_NAME = re.compile(r"^(?P<prefix>.+)\.(?P<layer>\d+)\.self_attn\.(?P<role>[kv])_scale$")
 
 
 class CalibrationError(SchemeError):
@@ -25,6 +29,14 @@ def calib_paths(path: str | os.PathLike) -> tuple[Path, Path]:
     elif p.suffix != ".safetensors":
         p = p.with_name(p.name + ".safetensors")
     return p, p.with_suffix(".json")
+
+
+def is_kv_scale_names(names) -> bool:
+    """Tensor names of a vLLM k_scale / v_scale file (`experiments/export_scales.py`, or a checkpoint shard
+    holding only those), which a scheme's calib= may name instead of a kvquant calibration: at least one, and
+    every name `<prefix>.<i>.self_attn.k_scale` / `v_scale` (safetensors' `__metadata__` aside)."""
+    names = [n for n in names if n != "__metadata__"]
+    return bool(names) and all(KV_SCALE_NAME.match(n) for n in names)
 
 
 def stored_allocation(budget: float, calib: str) -> tuple[str, Path]:

@@ -136,10 +136,16 @@ class Calibration:
         return f"Calibration({self.path}: {len(self.tables)} tables, model {self.meta.get('model')!r})"
 
 
-def load_calibration(path: str | os.PathLike) -> Calibration:
+def load_calibration(path: str | os.PathLike):
     """Load NAME.safetensors + NAME.json (safetensors and json only: never pickle). A cache loads its file
-    once (tens of KB), so nothing is memoized here."""
+    once (tens of KB), so nothing is memoized here. A file of vLLM FP8 k_scale / v_scale tensors
+    (`experiments/export_scales.py`, `recommend.py --export`) loads as `kvquant.export.KVScales` instead: the
+    scales the `vllm:fp8` codecs of the scheme divide by, layer by layer."""
     st, js = _paths(path)
+    from .export import is_kv_scales_file, load_kv_scales  # torch is there already when a cache loads this
+
+    if is_kv_scales_file(st):
+        return load_kv_scales(st)
     for p in (st, js):
         if not p.is_file():
             raise CalibrationError(

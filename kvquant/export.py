@@ -32,13 +32,15 @@ looks identical to a calibrated one until a layer's K or V exceeds 448, where 1.
 from __future__ import annotations
 
 import json
-import re
+import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from .calibfile import KV_SCALE_NAME as _NAME
+from .calibfile import CalibrationError, is_kv_scale_names
 from .scheme import SchemeError
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "SCALES_FILE",
     "SCHEME_FILE",
     "describe",
+    "is_kv_scales_file",
     "kv_absmax",
     "kv_cache_scheme",
     "load_kv_scales",
@@ -59,17 +62,23 @@ STRATEGIES = ("tensor", "attn_head")
 SCALES_FILE = "kv_scales.safetensors"
 SCHEME_FILE = "kv_cache_scheme.json"
 DEFAULT_PREFIX = "model.layers"
-_NAME = re.compile(r"^(?P<prefix>.+)\.(?P<layer>\d+)\.self_attn\.(?P<role>[kv])_scale$")
+# the per-tensor vLLM formats that divide by k_scale / v_scale, and the FP8 kind their scales are for
+SCALED_FORMATS = {"vllm:fp8_e4m3": "e4m3", "vllm:fp8_e5m2": "e5m2"}
+EXPORT_COMMAND = "python experiments/export_scales.py --model MODEL --out DIR"
 
 
 @dataclass(frozen=True)
 class KVScales:
-    """Per-layer FP8 scales: k, v (L, H_kv) fp32 for `attn_head`, (L, 1) for `tensor`; all positive."""
+    """Per-layer FP8 scales: k, v (L, H_kv) fp32 for `attn_head`, (L, 1) for `tensor`; all positive. A scheme
+    evaluates them with `calib=DIR/kv_scales.safetensors` (`vllm:fp8,calib=...`): the cache loads the file
+    once (`kvquant.calibration.load_calibration`) and each layer's vLLM FP8 codec takes its scale in `bind`.
+    source: the file they were read from (for messages)."""
 
     k: torch.Tensor
     v: torch.Tensor
     strategy: str = "tensor"
     fp8: str = "e4m3"
+    source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:
@@ -98,6 +107,42 @@ class KVScales:
         if not 0 <= layer < self.num_layers:
             raise SchemeError(f"no scales for layer {layer}: these cover layers 0-{self.num_layers - 1}")
         return float((self.k if role == "k" else self.v)[layer, 0])
+
+    def check_model(self, shape, scheme=None) -> None:
+        """Refuse scales written for another number of layers or per head, and a scheme that would not read
+        them (no vLLM per-tensor FP8 spec, one of the other FP8 kind, or specs needing codebooks, which this
+        file does not hold). shape: a `kvquant.memory.KVShape`."""
+        where = f"calib={self.source or 'the k/v scales'}"
+        if shape.num_layers != self.num_layers:
+            raise CalibrationError(
+                f"{where} holds k_scale / v_scale for {self.num_layers} layers, but the model has "
+                f"{shape.num_layers}; write them for this model: `{EXPORT_COMMAND}`"
+            )
+        if self.strategy != "tensor":
+            raise CalibrationError(
+                f"{where} holds per-head (attn_head) scales; kvquant's vllm:fp8 codec takes one per layer: "
+                f"write them with `{EXPORT_COMMAND} --strategy tensor`"
+            )
+        if scheme is None:
+            return
+        specs = scheme.specs()
+        if any(s.needs_calibration for s in specs):
+            raise CalibrationError(
+                f"{where} holds vLLM FP8 k/v scales, not the codebooks or rotations this scheme's nuqN / "
+                "-crot specs need (a calibration file of experiments/calibrate.py)"
+            )
+        kinds = {SCALED_FORMATS[s.engine] for s in specs if s.engine in SCALED_FORMATS}
+        if not kinds:
+            raise CalibrationError(
+                f"{where} holds vLLM FP8 k/v scales, but no spec of {str(scheme)!r} reads them: only "
+                f"{', '.join(SCALED_FORMATS)} (vllm:fp8) divide by k_scale / v_scale"
+            )
+        if kinds != {self.fp8}:
+            raise CalibrationError(
+                f"{where} holds scales for FP8 {self.fp8} (max|x| / {FP8_MAX[self.fp8]:g}), but the scheme "
+                f"stores {', '.join(sorted(kinds))}: write them with `{EXPORT_COMMAND} --fp8 "
+                f"{sorted(kinds)[0]}`"
+            )
 
     def tensors(
         self, dtype: torch.dtype = torch.float32, prefix: str = DEFAULT_PREFIX
@@ -189,11 +234,13 @@ def save_kv_scales(
     out.mkdir(parents=True, exist_ok=True)
     path = out / SCALES_FILE
     info = {"fp8": scales.fp8, "strategy": scales.strategy, "prefix": prefix, **(metadata or {})}
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # replaced at once: a reader never sees half
     save_file(
         {n: t.contiguous() for n, t in scales.tensors(dtype, prefix).items()},
-        str(path),
+        str(tmp),
         metadata={k: json.dumps(v) if not isinstance(v, str) else v for k, v in info.items()},
     )
+    tmp.replace(path)
     fragment = {"quantization_config": {"quant_method": "compressed-tensors",
                                         "kv_cache_scheme": kv_cache_scheme(scales.strategy)},
                 "kvquant": info}
@@ -236,7 +283,18 @@ def load_kv_scales(path: str | Path) -> KVScales:
     fp8 = meta.get("fp8", "e4m3")
     k = torch.stack([found[(i, "k")].float().reshape(-1) for i in range(len(layers))])
     v = torch.stack([found[(i, "v")].float().reshape(-1) for i in range(len(layers))])
-    return KVScales(k, v, meta.get("strategy", strategy), fp8 if fp8 in FP8_MAX else "e4m3")
+    return KVScales(k, v, meta.get("strategy", strategy), fp8 if fp8 in FP8_MAX else "e4m3", source=str(p))
+
+
+def is_kv_scales_file(path: str | Path) -> bool:
+    """Whether a .safetensors file holds vLLM k_scale / v_scale tensors only (`is_kv_scale_names`)."""
+    from safetensors import safe_open
+
+    p = Path(path)
+    if not p.is_file():
+        return False
+    with safe_open(str(p), framework="pt") as f:
+        return is_kv_scale_names(f.keys())
 
 
 def describe(scales: KVScales) -> str:

@@ -218,23 +218,38 @@ def _shared_layout(
     dtype: torch.dtype | int,
     block_size: int,
 ) -> tuple[int, int]:
-    """(shared bytes, window-copy bytes) of a prefix over every full-attention layer."""
+    """(shared bytes, window-copy bytes) of a prefix over every full-attention layer (each with its own plan
+    under a layers= scheme)."""
+    prefix = min(shared_prefix, context - 1)  # a request computes at least its last token
+    if prefix <= 0:
+        return 0, 0
     dtype = _torch_dtype(dtype)  # both public callers accept a byte count too
+    full = [i for i in range(shape.num_layers) if i not in set(shape.sliding_layers)]
+    per: dict[Scheme, tuple[int, int]] = {}
+    total = [0, 0]
+    for i in full:
+        layer = scheme.for_layer(i)
+        if layer not in per:
+            per[layer] = _prefix_layout(layer, shape, prefix, dtype, block_size)
+        total[0] += per[layer][0]
+        total[1] += per[layer][1]
+    return total[0], total[1]
+
+
+def _prefix_layout(scheme: Scheme, shape: KVShape, prefix: int, dtype: torch.dtype, block_size: int):
+    """(shared bytes, window-copy bytes) of a `prefix`-token prefix on one layer of a uniform scheme."""
     plan = LayerPlan.build(
         scheme, heads=shape.num_kv_heads, head_dim=shape.head_dim, dtype=dtype, block_size=block_size
     )
-    bs, fbs = plan.block_size, plan.fp_block_size
-    prefix = min(shared_prefix, context - 1)  # a request computes at least its last token
-    sink = plan.sink
-    if prefix < sink or prefix <= 0:
+    bs, fbs, sink = plan.block_size, plan.fp_block_size, plan.sink
+    if prefix < sink:
         return 0, 0
     fp_page, body_page = plan.page_bytes()
     resume = sink + (prefix - sink) // bs * bs
     body_len = plan.quantized_end(resume) - min(sink, resume)
     shared = -(-sink // fbs) * fp_page + body_len // bs * body_page
     window = ((resume - sink) // fbs - body_len // fbs) * fp_page
-    full_layers = shape.num_layers - len(shape.sliding_layers)
-    return full_layers * shared, full_layers * window
+    return shared, window
 
 
 @dataclass(frozen=True)

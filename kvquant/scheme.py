@@ -10,7 +10,8 @@ A scheme string is a comma-separated list of items:
     layers=R:SPEC+R:K/V   per-layer specs over layer ranges   layers=0-3:int8+4-29:int4-g64
                           (R is A-B or A; the ranges tile layers 0..N-1; K/V gives K and V apart)
     calib=FILE            calibration file (codebooks) of     calib=calib/smollm2-nuq.safetensors
-                          `experiments/calibrate.py`
+                          `experiments/calibrate.py`; for vllm:fp8, a file of vLLM k_scale / v_scale
+                          (`experiments/export_scales.py`)    vllm:fp8,calib=DIR/kv_scales.safetensors
     budget=B              the per-layer allocation at B       budget=3.0,calib=FILE
                           average bits stored in calib=FILE by `experiments/allocate.py --write-calib`
                           (resolved on parsing into its layers= scheme)
@@ -52,7 +53,8 @@ Engine formats, stored bit for bit as the engine lays them out (`kvquant.codecs.
 `llama.cpp:iq4_nl` (llama.cpp's -ctk / -ctv cache types; `llama.cpp:k=q8_0,v=q4_0` for -ctk q8_0 -ctv q4_0),
 `mxfp4`, `nvfp4` (ggml's FP4 blocks); vLLM's `--kv-cache-dtype` values (`kvquant.codecs.engine_vllm`):
 `vllm:fp8` (= `vllm:fp8_e4m3`), `vllm:fp8_e5m2` (per-tensor scale 1.0, saturating),
-`vllm:int8_per_token_head`, `vllm:fp8_per_token_head` (one fp32 scale per token and head), and vLLM's
+`vllm:int8_per_token_head`, `vllm:fp8_per_token_head` (one fp32 scale per token and head),
+`vllm:int4_per_token_head` (Hadamard-rotated, 4-bit codes, an fp32 scale holding the zero point), and vLLM's
 TurboQuant presets `vllm:turboquant_k8v4`, `vllm:turboquant_4bit_nc`, `vllm:turboquant_k3v4_nc`,
 `vllm:turboquant_3bit_nc` (a whole scheme item or a layers= range spec: K and V are stored differently, as
 the halves `vllm:turboquant_4bit_nc.k` / `.v`; vLLM's default boundary layers are the layers= form,
@@ -173,8 +175,6 @@ ENGINE_ALIASES: dict[str, str] = {"vllm:fp8": "vllm:fp8_e4m3"}  # vLLM's `fp8` i
 # engine names kvquant knows but does not reproduce, with the reason (refused at parse time, listed as skipped
 # by experiments/recommend.py)
 ENGINE_REFUSED: dict[str, str] = {
-    "vllm:int4_per_token_head": "its codebook levels and key rotation changed between vLLM versions and are "
-    "not readable offline, so kvquant cannot reproduce them bit for bit",
     "vllm:nvfp4": "vLLM's NVFP4 follows FlashInfer's arithmetic, not reproduced here; kvquant's `nvfp4` is "
     "ggml's block of the same 4.5 bits (per-tensor scale 1.0)",
 }
@@ -838,6 +838,8 @@ EXAMPLES: dict[str, str] = {
     "vllm:fp8_e5m2": "vLLM fp8_e5m2: E5M2, per-tensor scale 1.0, saturating at 57344 (8 bits)",
     "vllm:int8_per_token_head": "vLLM int8_per_token_head: int8 (truncated) + fp32 scale per token and head",
     "vllm:fp8_per_token_head": "vLLM fp8_per_token_head: E4M3 + one fp32 scale per token and head",
+    "vllm:int4_per_token_head": "vLLM int4_per_token_head: Hadamard-rotated 4-bit min/max codes, fp32 scale "
+    "+ zero point per token and head",
     "layers=0:fp16+1-28:vllm:fp8+29:fp16": "vLLM fp8 with --kv-cache-dtype-skip-layers 0,29 (30 layers)",
     "llama.cpp:q4_0-norot": "llama.cpp q4_0 without its Hadamard rotation of K/V (LLAMA_ATTN_ROT_DISABLE=1)",
     "vllm:turboquant_4bit_nc": "vLLM TurboQuant: K Hadamard + 4-bit Lloyd-Max + norm (nc), V 4-bit min/max",

@@ -88,6 +88,7 @@ ENGINE_FORMATS: dict[str, tuple[int, int]] = {
     "vllm:fp8_e5m2": (8, 1),
     "vllm:int8_per_token_head": (8, 1),
     "vllm:fp8_per_token_head": (8, 1),
+    "vllm:int4_per_token_head": (4, 2),  # two codes a byte after vLLM's Hadamard rotation (power-of-two D)
     # vLLM's TurboQuant presets, one spec per half (`kvquant.codecs.engine_vllm.TurboQuantCodec`): the scheme
     # item `vllm:turboquant_4bit_nc` expands to k=vllm:turboquant_4bit_nc.k,v=vllm:turboquant_4bit_nc.v
     "vllm:turboquant_k8v4.k": (8, 1),
@@ -351,6 +352,12 @@ class VLLMCacheDtype(EngineFormat):
     """vLLM's `--kv-cache-dtype` formats (`vllm:...`, `kvquant.codecs.engine_vllm`), bit for bit."""
 
     def check_head_dim(self, head_dim: int) -> None:
+        if self.format == "vllm:int4_per_token_head" and head_dim & (head_dim - 1):
+            raise SchemeError(
+                f"{self.format} rotates K and V with a Walsh-Hadamard transform (vLLM's "
+                f"fast_hadamard_transform asserts a power-of-two dim): head_dim {head_dim} is not a power "
+                "of two"
+            )
         if not self.format.startswith("vllm:turboquant_"):
             return super().check_head_dim(head_dim)
         if self.format.endswith(".k") and self.bits < 8 and head_dim & (head_dim - 1):

@@ -417,3 +417,200 @@ def test_cache_serves_turboquant(tiny_model, scheme):
         v_ref = tq_quantize_value(dyn.layers[1].values[:, :, :n], "turboquant_k8v4")
         assert torch.equal(st.key_fields["slot"], k_ref)
         assert torch.equal(st.value_fields["slot"], v_ref)
+
+
+# ------------------------------------------------------------------------------------ int4_per_token_head
+# Source followed: vllm/v1/attention/ops/int4_per_token_head.py at a7f284a2e24b86c171ef714c5ff492acf0baee6d
+# (pack_int4_nibbles, _reshape_cache_int4_kernel, _attn_packed, reshape_and_cache_int4,
+# unified_attention_int4, fast_hadamard_transform, _get_rht_signs, single_rht) and
+# vllm/v1/kv_cache_interface.py (AttentionSpec.real_page_size_bytes / page_size_bytes with
+# KVQuantMode.INT4_PER_TOKEN_HEAD).
+
+from kvquant.codecs.engine_vllm import (  # noqa: E402
+    int4_dequantize,
+    int4_load,
+    int4_quantize,
+    int4_rht,
+    int4_rht_signs,
+    int4_store,
+    sylvester_wht,
+)
+
+INT4 = "vllm:int4_per_token_head"
+
+
+def _bits(scale: torch.Tensor) -> list[int]:
+    return [v & 0xFFFFFFFF for v in scale.contiguous().view(torch.int32).flatten().tolist()]
+
+
+def test_int4_name_is_served_not_refused():
+    assert INT4 not in ENGINE_REFUSED
+    spec = parse_spec(INT4)
+    assert str(spec) == INT4 and spec.family.bits == 4
+    with pytest.raises(SchemeError, match="power-of-two dim.*head_dim 96"):  # fast_hadamard_transform
+        parse_scheme(INT4).check_head_dim(96)
+    parse_scheme(INT4).check_head_dim(256)
+
+
+def test_int4_rht_signs_follow_get_rht_signs():
+    """_get_rht_signs(d, round_idx=0): `gen.manual_seed(0x9E3779B9 + round_idx * 0x517CC1B7)`, then
+    `2.0 * torch.bernoulli(torch.full((d,), 0.5), generator=gen) - 1.0`; single_rht always asks round 0, so
+    one vector serves every layer, K, V and Q."""
+    gen = torch.Generator(device="cpu").manual_seed(0x9E3779B9)
+    expect = 2.0 * torch.bernoulli(torch.full((64,), 0.5), generator=gen) - 1.0
+    assert torch.equal(int4_rht_signs(64), expect)
+    assert int4_rht_signs(8).tolist() == [1.0, -1.0, 1.0, 1.0, -1.0, -1.0, -1.0, -1.0]
+
+
+def test_int4_hadamard_is_the_unnormalized_sylvester_butterfly():
+    """fast_hadamard_transform, tier 3: for h = 1, 2, ...: `torch.stack([a + b, a - b], dim=-2)` of the halves
+    h apart: H x with H the Sylvester matrix, unnormalized (H H = d I). [1, 2, 3, 4] -> h = 1: [3, -1, 7, -1]
+    -> h = 2: [10, -2, -4, 0]."""
+    assert sylvester_wht(torch.tensor([1.0, 2.0, 3.0, 4.0])).tolist() == [10.0, -2.0, -4.0, 0.0]
+    h2 = torch.tensor([[1.0, 1.0], [1.0, -1.0]])
+    h8 = torch.kron(torch.kron(h2, h2), h2)
+    x = torch.randn(5, 8)
+    assert torch.allclose(sylvester_wht(x), x @ h8.T, atol=1e-6)
+    assert torch.allclose(sylvester_wht(sylvester_wht(x)), 8 * x, atol=1e-5)
+    # single_rht: H (D1 x); inverse: (H x) * D1, so inverse(forward(x)) = d x
+    assert torch.allclose(int4_rht(int4_rht(x), inverse=True), 8 * x, atol=1e-5)
+
+
+def test_int4_store_vectors():
+    """_reshape_cache_int4_kernel on a rotated vector: `k_scale = tl.maximum((k_max - k_min) / 15.0, 1e-6)`,
+    `k_zp_f = clamp(round_half_away(-k_min / k_scale), 0, 15)`, `k_q = clamp(round_half_away(k * (1.0 /
+    k_scale) + k_zp_f), 0, 15)`; `pack_int4_nibbles(lo, hi) = (lo & 0xF) | ((hi & 0xF) << 4)` with the even
+    element low; `k_scale_packed = (k_scale_bits & -16) | (k_zp_int & 0xF)`.
+    [-3 .. 3, 12]: scale 15 / 15 = 1.0 (0x3F800000), zp 3, codes 0..6 and 15."""
+    y = torch.tensor([-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 12.0])
+    codes, scale = int4_store(y)
+    assert codes.dtype == torch.uint8 and scale.dtype == torch.float32 and scale.shape == (1,)
+    assert codes.tolist() == [0x10, 0x32, 0x54, 0xF6]
+    assert _bits(scale) == [0x3F800003]
+    # _attn_packed: `k_zp = (ks_bits & 0xF)`, scale `(ks_bits & -16)`: (q - 3) * 1.0 gives y back exactly
+    assert int4_load(codes, scale).tolist() == y.tolist()
+
+
+def test_int4_rounds_half_away_from_zero():
+    """`tl.where(s >= 0, (s + 0.5).to(tl.int32), (s - 0.5).to(tl.int32))` (the cast truncates): ties go up.
+    min -3.375, max 11.625: scale 1.0; -min / scale = 3.375 -> int(3.875) = zp 3; s = x + 3:
+    0.5 -> 3.5 -> 4, -2.5 -> 0.5 -> 1, 2.5 -> 5.5 -> 6, 1.5 -> 4.5 -> 5, -0.5 -> 2.5 -> 3,
+    -3.375 -> -0.375 -> int(-0.875) = 0, 11.625 -> 14.625 -> 15, 0 -> 3."""
+    x = torch.tensor([0.5, -2.5, 2.5, 1.5, -0.5, -3.375, 11.625, 0.0])
+    codes, scale = int4_store(x)
+    assert _bits(scale) == [0x3F800003]
+    assert unpack(codes, 4, 8).tolist() == [4, 1, 6, 5, 3, 0, 15, 3]
+
+
+def test_int4_zero_point_is_clamped_so_one_sided_rows_clip():
+    """`tl.clamp(..., 0.0, 15.0)` on the zero point: [2, 4, ..., 14, 32] has scale (32 - 2) / 15 = 2.0 and
+    -min / scale = -1 -> int(-1.5) = -1 -> zp 0; 32 * 0.5 + 0 = 16 clips to code 15 and reads back as 30."""
+    x = torch.tensor([2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 32.0])
+    codes, scale = int4_store(x)
+    assert _bits(scale) == [0x40000000]  # 2.0, zero point 0
+    assert unpack(codes, 4, 8).tolist() == [1, 2, 3, 4, 5, 6, 7, 15]
+    assert int4_load(codes, scale).tolist() == [2.0, 4.0, 6.0, 8.0, 10.0, 12.0, 14.0, 30.0]
+
+
+def test_int4_scale_bits_hold_the_zero_point_and_read_truncated():
+    """The zero point replaces the scale's 4 lowest mantissa bits, and the reader uses the scale with those
+    bits cleared (`ks_bits & -16`), not the one the writer divided by. Range 1 over [-0.25, 0.75]: scale =
+    fp32(1 / 15) = 0x3D888889, -min / scale = 3.75 -> zp int(4.25) = 4: stored 0x3D888884, read 0x3D888880."""
+    x = torch.tensor([-0.25, 0.75, 0.0, 0.5])
+    codes, scale = int4_store(x)
+    assert _bits(torch.tensor([1.0]) / 15.0) == [0x3D888889]
+    assert _bits(scale) == [0x3D888884]
+    q = unpack(codes, 4, 4)
+    s_read = torch.tensor([0x3D888880], dtype=torch.int32).view(torch.float32)
+    assert torch.equal(int4_load(codes, scale), (q.float() - 4.0) * s_read)
+    assert int4_load(codes, scale)[1].item() != 0.75  # 15 - 4 = 11 steps of the truncated scale
+
+
+def test_int4_write_path_rotates_first():
+    """reshape_and_cache_int4: `key = single_rht(key.float()).to(key.dtype)` before the kernel. A key built as
+    D1 H y / 8 rotates to y exactly (H D1 D1 H = 8 I), so it stores test_int4_store_vectors' bytes, and
+    reading it back (the attention's inverse rotation, / head_size) gives the key exactly."""
+    y = torch.tensor([-3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 12.0])
+    x = int4_rht_signs(8) * sylvester_wht(y) / 8
+    assert torch.equal(int4_rht(x), y)
+    codes, scale = int4_quantize(x)
+    assert codes.tolist() == [0x10, 0x32, 0x54, 0xF6] and _bits(scale) == [0x3F800003]
+    assert torch.equal(int4_dequantize(codes, scale), x)
+    # .to(key.dtype): a half-precision model's rotated K is rounded to fp16 before the store reads it
+    z = torch.randn(4, 64)
+    assert torch.equal(int4_quantize(z, torch.float16)[0], int4_store(int4_rht(z).half().float())[0])
+
+
+def test_int4_attention_reads_the_rotated_frame():
+    """unified_attention_int4: q is rotated (single_rht), softmax_scale / head_size, and _attn_packed scores
+    `(dot(Q_s0, K_s0) + dot(Q_s1, K_s1) - Q_sum * k_zp) * (scale * k_scale)` on the even / odd nibble streams;
+    the output `acc += dot(P_v, V_s) - sum(P_v * v_zp)` (P_v = P * v_scale) is rotated back,
+    single_rht(out, inverse=True) / head_size. The codec's decode (the model-frame K and V) gives the same
+    scores and output."""
+    d, t = 64, 9
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, d, generator=g) * 2 for n in (3, t, t))
+    kc, ks = int4_quantize(k)
+    vc, vs = int4_quantize(v)
+    softmax_scale = d**-0.5
+    qr = int4_rht(q)  # (3, D)
+    bits = ks.view(torch.int32)
+    k_zp, k_s = (bits & 0xF).float()[:, 0], (bits & -16).view(torch.float32)[:, 0]
+    kq = unpack(kc, 4, d).float()  # (t, D): even elements are the low nibbles (stream 0)
+    raw = qr[:, 0::2] @ kq[:, 0::2].T + qr[:, 1::2] @ kq[:, 1::2].T
+    s_kernel = (raw - qr.sum(-1, keepdim=True) * k_zp) * (softmax_scale / d * k_s)
+    s_codec = q @ int4_dequantize(kc, ks).T * softmax_scale
+    assert torch.allclose(s_kernel, s_codec, rtol=1e-4, atol=1e-5)
+    p = torch.softmax(s_kernel, dim=-1)
+    vbits = vs.view(torch.int32)
+    v_zp, v_s = (vbits & 0xF).float()[:, 0], (vbits & -16).view(torch.float32)[:, 0]
+    p_v = p * v_s
+    vq = unpack(vc, 4, d).float()
+    acc = torch.empty(3, d)
+    acc[:, 0::2] = p_v @ vq[:, 0::2] - (p_v * v_zp).sum(-1, keepdim=True)
+    acc[:, 1::2] = p_v @ vq[:, 1::2] - (p_v * v_zp).sum(-1, keepdim=True)
+    out_kernel = int4_rht(acc, inverse=True) / d
+    assert torch.allclose(out_kernel, p @ int4_dequantize(vc, vs), rtol=1e-4, atol=1e-5)
+
+
+def test_int4_codec_layout_bytes_and_chunking():
+    """kv_cache_interface.py: `head_dim = self.head_size // 2` for INT4_PER_TOKEN_HEAD (one byte holds two
+    codes) and `page_size_bytes` adds `2 * block_size * num_kv_heads * 4` for the fp32 scales: per K (or V),
+    (D / 2 + 4) bytes a (token, head). Scales are per token, so codes do not depend on how tokens arrive."""
+    heads, d = 3, 64
+    codec = codec_for(INT4, heads, d, torch.float32)
+    assert {n: (f.cols, f.dtype) for n, f in codec.fields().items()} == {
+        "codes": (d // 2, torch.uint8), "scale": (1, torch.float32)}
+    block = 16
+    vllm_page = 2 * block * heads * (d // 2) + 2 * block * heads * 4
+    assert 2 * codec.bytes(block) == vllm_page
+    x = torch.randn(1, heads, 6, d) * 3
+    whole = codec.encode(x)
+    parts = [codec.encode(x[:, :, i : i + 1]) for i in range(6)]
+    for key, value in whole.items():
+        assert torch.equal(value, torch.cat([p[key] for p in parts], dim=2))
+    y = codec.decode(whole, torch.float32)
+    assert (x - y).norm() / x.norm() < 0.12  # 4-bit min/max over a rotated 64-vector: ~9% relative error
+
+
+def test_cache_serves_int4_per_token_head(tiny_model):
+    """A tiny model runs with vLLM's int4 cache on layer 1 (layer 0 unquantized); layer 1's stored bytes are
+    vLLM's write of the model's layer-1 K/V."""
+    from transformers import DynamicCache
+
+    from kvquant import QuantizedCache
+
+    ids = torch.randint(0, 1000, (1, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        dyn = DynamicCache(config=tiny_model.config)
+        ref = tiny_model(ids, cache=dyn).logits
+        cache = QuantizedCache(parse_scheme(f"layers=0:fp16+1:{INT4}"), tiny_model.config, backend="torch")
+        out = tiny_model(ids, cache=cache).logits
+    assert torch.isfinite(out).all()
+    assert (out - ref).abs().max() < 0.1 * ref.abs().max()
+    st = cache.layers[1].stored()
+    n = st.key_fields["codes"].shape[2]
+    for fields, ref_kv in ((st.key_fields, dyn.layers[1].keys), (st.value_fields, dyn.layers[1].values)):
+        codes, scale = int4_quantize(ref_kv[:, :, :n])
+        assert torch.equal(fields["codes"], codes)
+        assert torch.equal(fields["scale"].view(torch.int32), scale.view(torch.int32))

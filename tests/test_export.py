@@ -113,3 +113,70 @@ def test_export_command_refuses_bad_arguments_before_loading():
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 2 and "--docs 0 must be at least 1" in proc.stderr
+
+
+def test_scheme_calib_scores_exactly_the_written_scales(tmp_path, tiny_model):
+    """`vllm:fp8,calib=DIR/kv_scales.safetensors` (recommend.py --export's calibrated row): the cache loads
+    the file once and every layer's codec divides by that layer's k_scale / v_scale. A deliberately large
+    layer-1 k_scale (64: the keys fall to E4M3's subnormals) changes layer 1's stored key codes from scale
+    1.0's to exactly the E4M3 write of K / 64."""
+    from transformers import DynamicCache
+
+    from kvquant import QuantizedCache
+    from kvquant.codecs.engine_vllm import vllm_quantize
+    from kvquant.scheme import parse_scheme
+
+    layers = tiny_model.config.num_hidden_layers
+    k = torch.ones(layers, 1)
+    k[1] = 64.0
+    v = torch.full((layers, 1), 0.5)
+    path = save_kv_scales(KVScales(k, v), tmp_path)
+    ids = torch.randint(0, 1000, (1, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        dyn = DynamicCache(config=tiny_model.config)
+        tiny_model(ids, cache=dyn)
+        cache = QuantizedCache(parse_scheme(f"layers=0:fp16+1:vllm:fp8,calib={path}"), tiny_model.config,
+                               backend="torch")
+        tiny_model(ids, cache=cache)
+    layer = cache.layers[1]
+    assert (layer.key_codec.scale, layer.value_codec.scale) == (64.0, 0.5)
+    st = layer.stored()
+    n = st.key_fields["codes"].shape[2]
+    keys = dyn.layers[1].keys[:, :, :n]  # layer 1's input does not depend on layer 1's cache; layer 0 is FP
+    assert torch.equal(st.key_fields["codes"], vllm_quantize(keys, "vllm:fp8_e4m3", 64.0)[0])
+    assert not torch.equal(st.key_fields["codes"], vllm_quantize(keys, "vllm:fp8_e4m3", 1.0)[0])
+    vals = dyn.layers[1].values[:, :, :n]
+    assert torch.equal(st.value_fields["codes"], vllm_quantize(vals, "vllm:fp8_e4m3", 0.5)[0])
+
+
+def test_scale_files_are_checked_against_model_and_scheme(tmp_path, tiny_model):
+    from kvquant import QuantizedCache
+    from kvquant.calibfile import CalibrationError
+    from kvquant.scheme import parse_scheme
+
+    layers = tiny_model.config.num_hidden_layers
+    path = save_kv_scales(KVScales(torch.ones(layers + 1, 1), torch.ones(layers + 1, 1)), tmp_path / "a")
+    with pytest.raises(CalibrationError, match=f"{layers + 1} layers, but the model has {layers}"):
+        QuantizedCache(parse_scheme(f"vllm:fp8,calib={path}"), tiny_model.config)
+    good = save_kv_scales(KVScales(torch.ones(layers, 1), torch.ones(layers, 1)), tmp_path / "b")
+    with pytest.raises(CalibrationError, match="no spec of 'int8,calib=.*' reads them"):
+        QuantizedCache(parse_scheme(f"int8,calib={good}"), tiny_model.config)
+    with pytest.raises(CalibrationError, match="FP8 e4m3 .* the scheme stores e5m2"):
+        QuantizedCache(parse_scheme(f"vllm:fp8_e5m2,calib={good}"), tiny_model.config)
+    heads = KVScales(torch.ones(layers, 2), torch.ones(layers, 2), "attn_head")
+    per_head = save_kv_scales(heads, tmp_path / "c")
+    with pytest.raises(CalibrationError, match="per-head"):
+        QuantizedCache(parse_scheme(f"vllm:fp8,calib={per_head}"), tiny_model.config)
+
+
+def test_run_harness_accepts_a_scale_file_without_json(tmp_path):
+    """eval.config.check_calib_file (torch-free, before a run loads anything): a file of k/v scale tensors
+    needs no kvquant calibration JSON beside it; a file of other tensors still does."""
+    from kvquant.eval.config import RunError, check_calib_file
+    from safetensors.torch import save_file
+
+    path = save_kv_scales(KVScales(torch.ones(2, 1), torch.ones(2, 1)), tmp_path)
+    check_calib_file(str(path), "vllm:fp8")
+    save_file({"codebook/0/k/nuq4": torch.zeros(16)}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(RunError, match="other.json does not exist"):
+        check_calib_file(str(tmp_path / "other.safetensors"))

@@ -109,3 +109,21 @@ def test_prefix_bytes_take_a_byte_count_or_a_dtype(scheme):
     for fn in (memory.shared_prefix_bytes, memory.window_copy_bytes):
         assert fn(cfg, scheme, 1000, 600, dtype=2) == fn(cfg, scheme, 1000, 600, dtype=torch.float16)
     assert memory.shared_prefix_bytes(cfg, scheme, 1000, 600, dtype=2) > 0
+
+
+def test_capacity_of_a_per_layer_scheme():
+    """A layers= scheme (vLLM's --kv-cache-dtype-skip-layers, TurboQuant's boundary layers) sizes each layer
+    with its own plan: without a shared prefix capacity is M // request; with one, the shared pages are the
+    sum of each layer's (here one FP16 layer and one int8-head layer of a 2-layer model)."""
+    from kvquant.scheme import parse_scheme
+
+    shape = KVShape(2, 2, 64)
+    mixed = parse_scheme("layers=0:fp16+1:int8-head")
+    budget, context, prefix = 10_000_000, 1024, 512
+    plain = memory.capacity(shape, mixed, budget, context)
+    assert plain.requests == budget // memory.cache_bytes(shape, mixed, context)
+    one = KVShape(1, 2, 64)
+    parts = [memory.capacity(one, parse_scheme(s), budget, context, shared_prefix=prefix).shared_bytes
+             for s in ("fp16", "int8-head")]
+    shared = memory.capacity(shape, mixed, budget, context, shared_prefix=prefix)
+    assert shared.shared_bytes == sum(parts) > 0 and shared.requests > plain.requests

@@ -5,13 +5,16 @@
     vllm:fp8_e5m2               fp8_e5m2               D float8_e5m2 codes                    64
     vllm:int8_per_token_head    int8_per_token_head    D int8 codes + one fp32 scale          68
     vllm:fp8_per_token_head     fp8_per_token_head     D float8_e4m3fn codes + one fp32 scale 68
+    vllm:int4_per_token_head    int4_per_token_head    D/2 bytes (two 4-bit codes) + one fp32     36
+                                                       scale whose low 4 bits hold the zero point
     vllm:turboquant_k8v4        turboquant_k8v4        K: D E4M3 codes | V: D/2 + 4            64 + 36
     vllm:turboquant_4bit_nc     turboquant_4bit_nc     K: D/2 codes + fp16 norm | V: D/2 + 4   34 + 36
     vllm:turboquant_k3v4_nc     turboquant_k3v4_nc     K: 3D/8 + 2 | V: D/2 + 4                26 + 36
     vllm:turboquant_3bit_nc     turboquant_3bit_nc     K: 3D/8 + 2 | V: 3D/8 + 4               26 + 28
 
     field    heads_f   tokens_f   cols_f   dtype
-    codes    H         1          D        int8 (int8_per_token_head) or uint8 (float8 bit patterns)
+    codes    H         1          D        int8 (int8_per_token_head) or uint8 (float8 bit patterns);
+                                           D / 2 uint8 for int4_per_token_head
     scale    H         1          1        float32 (per-token-head formats only)
 
 The CacheDType list is vllm/config/cache.py of vllm-project/vllm at commit
@@ -71,11 +74,40 @@ Not bit-exact with a GPU run: the rotation GEMM's and the norm's fp32 summation 
 approximate fp32 division in the value store, can move a code across a boundary it lies within a few ulp
 of; Ampere / Ada GPUs store float8e4b15 keys (k8v4), not reproduced.
 
-Not reproduced here (the recommendation lists them as skipped, with this reason): `int4_per_token_head` (its
-codebook levels and the Hadamard rotation of its keys changed between vLLM versions and are not readable
-offline: the version documented latest stores a zero point inside the scale's low mantissa bits),
-`nvfp4` (FlashInfer's arithmetic; kvquant's `nvfp4` is ggml's block of the same
-4.5 bits), `fp8_inc` (Intel Gaudi) and the MLA-only `fp8_ds_mla` / `nvfp4_ds_mla`.
+int4_per_token_head (vllm/v1/attention/ops/int4_per_token_head.py at commit
+a7f284a2e24b86c171ef714c5ff492acf0baee6d; the arithmetic is the same at
+055e47c28003156421365af985d676fc921cb075 and in the earlier `_reshape_cache_int4_packed` of
+triton_reshape_and_cache_flash.py; page bytes: `AttentionSpec.real_page_size_bytes` / `page_size_bytes` of
+vllm/v1/kv_cache_interface.py, head_size // 2 bytes per K and V plus two fp32 scales per (token, head)).
+`reshape_and_cache_int4` rotates K and V, then `_reshape_cache_int4_kernel` stores each (token, head):
+
+    rot   = single_rht(x.float()).to(x.dtype)      H (D1 x): D1 = diag of +-1 signs, 2 * torch.bernoulli(0.5)
+                                                   - 1 from a CPU generator seeded 0x9E3779B9 (round 0: the
+                                                   same for every layer, K and V); H the unnormalized
+                                                   Sylvester Walsh-Hadamard matrix (H H = D I), D a power of 2
+    scale = max((max(rot) - min(rot)) / 15, 1e-6)                       fp32
+    zp    = clamp(round_half_away(-min(rot) / scale), 0, 15)
+    q     = clamp(round_half_away(rot * (1.0 / scale) + zp), 0, 15)    round_half_away(t): int(t + 0.5) for
+                                                                        t >= 0, else int(t - 0.5) (truncating)
+    bytes = q[2i] | q[2i + 1] << 4;   stored scale = bits(scale) & ~0xF | zp   (the zero point in the low 4
+                                                                           mantissa bits of the fp32 scale)
+    read  (unified_attention_int4): s' = bits & ~0xF (the truncated scale), z = bits & 0xF; the kernel scores
+          (RHT q) . (q - z) * s' * softmax_scale / D and rotates the output back, D1 H out / D; so the K and V
+          attention sees are D1 H ((q - z) s') / D, which `decode` returns in the model's frame.
+
+The zero point is clamped into [0, 15], so a (token, head) whose values are all positive (or all negative)
+clips its top (bottom) codes: vLLM's arithmetic, reproduced. All of it in IEEE fp32 as the source is written
+(the Triton interpreter's semantics). A compiled GPU run can differ in a code where a value lies within a few
+ulp of a rounding boundary: Triton lowers the three fp32 divisions to approximate div.full / div.approx and
+contracts `rot * inv + zp` into one fma (PTX of the kernel compiled for sm_90 here), and on CUDA sm_80+ vLLM
+computes the Hadamard transform with hadacore in bf16 (fp32 inputs rounded to bf16 first), where this codec
+follows vLLM's CPU path (the fp32 butterfly of `fast_hadamard_transform`, tier 3). vLLM reads this cache in
+every attention call, the prompt's included (`cache` mode is what it serves; `prefill` mode is measured for
+comparison).
+
+Not reproduced here (the recommendation lists them as skipped, with this reason): `nvfp4` (FlashInfer's
+arithmetic; kvquant's `nvfp4` is ggml's block of the same 4.5 bits), `fp8_inc` (Intel Gaudi) and the
+MLA-only `fp8_ds_mla` / `nvfp4_ds_mla`.
 
 The Triton decode kernel reads the per-(token, head) formats and the per-tensor FP8 ones at the scale 1.0 in
 place (`kvquant.kernels.layouts.decode_layout`); TurboQuant and a bound scale other than 1 take the PyTorch
@@ -98,13 +130,22 @@ from .base import Codec, Field, register
 from .packing import pack, unpack
 
 __all__ = [
+    "INT4_PER_TOKEN_HEAD",
     "TURBOQUANT_PRESETS",
     "TurboQuantCodec",
     "TurboQuantPreset",
     "VLLM_FORMATS",
     "VLLMCodec",
     "VLLMFormat",
+    "VLLMInt4Codec",
     "boundary_skip_layers",
+    "int4_dequantize",
+    "int4_load",
+    "int4_quantize",
+    "int4_rht",
+    "int4_rht_signs",
+    "int4_store",
+    "sylvester_wht",
     "tq_centroids",
     "tq_dequantize_key",
     "tq_dequantize_value",
@@ -199,11 +240,13 @@ class VLLMCodec(Codec):
     The per-tensor fp8 formats use the scale 1.0 (vLLM's default without a calibrated checkpoint) until
     `set_scale` binds a layer's k_scale / v_scale (or `bind` takes it from a calibration object with
     `kv_scale(layer, role)`, e.g. `kvquant.export.KVScales`). A TurboQuant half (`vllm:turboquant_*.k/.v`)
-    constructs a `TurboQuantCodec` instead."""
+    constructs a `TurboQuantCodec` instead, `vllm:int4_per_token_head` a `VLLMInt4Codec`."""
 
     def __new__(cls, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
         if cls is VLLMCodec and spec.engine is not None and spec.engine.startswith("vllm:turboquant_"):
             return TurboQuantCodec(spec, heads, head_dim, dtype)  # not a VLLMCodec: __init__ is not re-run
+        if cls is VLLMCodec and spec.engine == INT4_PER_TOKEN_HEAD:
+            return VLLMInt4Codec(spec, heads, head_dim, dtype)
         return super().__new__(cls)
 
     def __init__(self, spec: QuantSpec, heads: int, head_dim: int, dtype: torch.dtype):
@@ -246,6 +289,110 @@ class VLLMCodec(Codec):
 
     def batches_with(self, other: Codec) -> bool:
         return super().batches_with(other) and getattr(other, "scale", None) == self.scale
+
+
+# ------------------------------------------------------------------------------ int4_per_token_head
+
+
+INT4_PER_TOKEN_HEAD = "vllm:int4_per_token_head"
+INT4_COMMIT = "a7f284a2e24b86c171ef714c5ff492acf0baee6d"  # vllm/v1/attention/ops/int4_per_token_head.py
+RHT_SEED = 0x9E3779B9  # _get_rht_signs: manual_seed(0x9E3779B9 + round_idx * 0x517CC1B7), round_idx 0
+INT4_LEVELS = 15.0  # codes 0..15
+INT4_SCALE_FLOOR = 1e-6  # tl.maximum((k_max - k_min) / 15.0, 1e-6)
+ZP_BITS = 0xF  # the zero point sits in the scale's 4 lowest mantissa bits
+
+
+@functools.lru_cache(maxsize=16)
+def int4_rht_signs(head_dim: int) -> torch.Tensor:
+    """D1 (D,) fp32 of `_get_rht_signs(d, 0)`: 2 * torch.bernoulli(full(d, 0.5)) - 1 drawn from a CPU
+    generator seeded 0x9E3779B9 (one vector for every layer, K and V). Cached (pure): never write to it."""
+    gen = torch.Generator(device="cpu").manual_seed(RHT_SEED)
+    return 2.0 * torch.bernoulli(torch.full((head_dim,), 0.5), generator=gen) - 1.0
+
+
+def sylvester_wht(x: torch.Tensor) -> torch.Tensor:
+    """H x along the last dim (D a power of two), H the unnormalized Sylvester Walsh-Hadamard matrix
+    (H H = D I), by the butterfly of vLLM's `fast_hadamard_transform` (tier 3, its CPU path): for h = 1, 2, 4,
+    ... the pairs (a, b) h apart become (a + b, a - b), in that order, so the fp32 sums round as vLLM's do."""
+    d = x.shape[-1]
+    if d & (d - 1):
+        raise SchemeError(f"vLLM's Hadamard transform needs a power-of-two head_dim, got {d}")
+    h = 1
+    while h < d:
+        v = x.reshape(*x.shape[:-1], d // (2 * h), 2, h)
+        a, b = v[..., 0, :], v[..., 1, :]
+        x = torch.stack((a + b, a - b), dim=-2).reshape(*x.shape[:-1], d)
+        h *= 2
+    return x
+
+
+def int4_rht(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """`single_rht`: H (D1 x), or D1 (H x) with inverse (D1 H H D1 x = D x: divide by D after it)."""
+    signs = int4_rht_signs(x.shape[-1]).to(x.device)
+    return sylvester_wht(x) * signs if inverse else sylvester_wht(x * signs)
+
+
+def _round_half_away(t: torch.Tensor) -> torch.Tensor:
+    """`tl.where(t >= 0, (t + 0.5).to(tl.int32), (t - 0.5).to(tl.int32))` as fp32: the +-0.5 rounds in fp32,
+    the int32 conversion truncates (a NaN gives 0 here; vLLM leaves it undefined)."""
+    r = torch.where(t >= 0, torch.trunc(t + 0.5), torch.trunc(t - 0.5))
+    return torch.where(torch.isnan(r), torch.zeros_like(r), r)
+
+
+def int4_store(rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_reshape_cache_int4_kernel` on already-rotated values: rot (..., D) fp32 -> (codes (..., D / 2) uint8,
+    scale (..., 1) fp32 with the zero point in its low 4 bits). See the module docstring for the formulas."""
+    rot = rot.float()
+    lo, hi = rot.amin(dim=-1, keepdim=True), rot.amax(dim=-1, keepdim=True)  # (..., 1)
+    scale = torch.clamp_min((hi - lo) / INT4_LEVELS, INT4_SCALE_FLOOR)
+    zp = _round_half_away(-lo / scale).clamp(0.0, INT4_LEVELS)
+    inv = 1.0 / scale  # the reciprocal, then a multiply (the compiled kernel fuses `rot * inv + zp`)
+    q = _round_half_away(rot * inv + zp).clamp(0.0, INT4_LEVELS).to(torch.uint8)
+    bits = scale.view(torch.int32) & ~ZP_BITS | zp.to(torch.int32)
+    return pack(q, 4), bits.view(torch.float32)
+
+
+def int4_load(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The rotated values attention reads: (q - z) * s' with s' = the scale with its low 4 bits cleared and
+    z = those bits (`_attn_packed`'s `ks_bits & -16` and `ks_bits & 0xF`). codes (..., D / 2), scale (..., 1)
+    -> (..., D) fp32."""
+    bits = scale.contiguous().view(torch.int32)
+    zp = (bits & ZP_BITS).float()
+    s = (bits & ~ZP_BITS).view(torch.float32)
+    return (unpack(codes.contiguous(), 4, 2 * codes.shape[-1]).float() - zp) * s
+
+
+def int4_quantize(x: torch.Tensor, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`reshape_and_cache_int4`: K or V (..., D) -> (codes (..., D / 2), scale (..., 1)). The rotation runs in
+    fp32 and its result is cast to `dtype` (the model's K/V dtype, `.to(key.dtype)`; default x's) before the
+    store reads it back as fp32."""
+    rot = int4_rht(x.float()).to(dtype or x.dtype)
+    return int4_store(rot)
+
+
+def int4_dequantize(codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """The K or V attention uses, in the model's frame: D1 H ((q - z) s') / D, fp32 (..., D)."""
+    rot = int4_load(codes, scale)
+    return int4_rht(rot, inverse=True) / rot.shape[-1]
+
+
+class VLLMInt4Codec(Codec):
+    """vLLM's `int4_per_token_head` (`vllm:int4_per_token_head`): per (token, head) D / 2 bytes of 4-bit codes
+    of the Hadamard-rotated vector and one fp32 scale carrying the zero point, byte for byte as vLLM's cache
+    and scale cache hold them (module docstring)."""
+
+    def fields(self) -> dict[str, Field]:
+        return {
+            "codes": Field(self.heads, 1, self.head_dim // 2, torch.uint8),
+            "scale": Field(self.heads, 1, 1, torch.float32),
+        }
+
+    def encode(self, x: torch.Tensor) -> dict[str, torch.Tensor]:
+        codes, scale = int4_quantize(x.to(self.dtype), self.dtype)  # (B, H, T, D / 2), (B, H, T, 1)
+        return {"codes": codes.contiguous(), "scale": scale.contiguous()}
+
+    def decode(self, fields: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None) -> torch.Tensor:
+        return int4_dequantize(fields["codes"], fields["scale"]).to(dtype or self.dtype)  # (B, H, T, D)
 
 
 # --------------------------------------------------------------------------------------- TurboQuant

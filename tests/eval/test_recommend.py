@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from kvquant.eval.config import ModelFacts, RunConfig, RunError, check_fits, model_facts, resolve_schemes
 from kvquant.eval.recommend import candidates_for, recommend, report_text
 
@@ -44,9 +45,12 @@ def test_candidates_skip_what_the_model_cannot_take():
     assert not labels & {"q8_0", "q4_0", "q8_0 / q4_0"}  # all refused: 80 % 32 != 0
     reasons = {s.label: s.reason for s in plan.skipped}
     assert "k % 32 == 0" in reasons["q4_0"] and "head_dim 80" in reasons["q4_0"]
-    vllm = candidates_for("vllm", None, facts)  # per-token-head formats take any head_dim
+    vllm = candidates_for("vllm", None, facts)  # per-token-head formats take any head_dim ...
     assert {"fp8", "int8_per_token_head", "fp8 skip 0,3"} <= {c.label for c in vllm.candidates}
-    assert "int4_per_token_head" in {s.label for s in vllm.skipped}
+    reasons = {s.label: s.reason for s in vllm.skipped}  # ... but int4's Hadamard rotation a power of two
+    int4 = reasons["int4_per_token_head"]
+    assert "power-of-two" in int4 and "head_dim 80" in int4
+    assert "nvfp4" in reasons  # not reproduced: listed with the reason
     many = candidates_for("vllm", None, ModelFacts(positions=4096, layers=30, head_dim=64, kv_heads=3))
     served = {c.label: c for c in many.candidates}["turboquant_4bit_nc"]  # as vLLM serves it
     assert served.scheme == "layers=0-1:fp16+2-27:vllm:turboquant_4bit_nc+28-29:fp16"
@@ -66,12 +70,46 @@ def test_sliding_model_gets_the_sliding_skip_variant():
 
 
 def test_recommend_vllm_end_to_end_and_resume(tiny4_dir, tiny_corpus, tmp_path):
+    """Every vLLM candidate in both modes; --export writes calibrated FP8 scales from documents the run does
+    not evaluate and scores `fp8 (calibrated)` with exactly that file; a rerun resumes and reuses the file."""
+    from kvquant.eval.calibration import calibration_documents
+    from transformers import AutoConfig
+
+    from kvquant import QuantizedCache, parse_scheme
+    from kvquant.export import kv_absmax, load_kv_scales, scales_from_absmax
+    from kvquant.models import load_model
+
     out = tmp_path / "rec"
-    kw = dict(corpus=str(tiny_corpus), max_length=128, docs=1, chunk=32, out=str(out))
+    kw = dict(corpus=str(tiny_corpus), max_length=256, docs=1, chunk=64, out=str(out),
+              export=str(tmp_path / "scales"))
     rec = recommend("vllm", str(tiny4_dir), **kw)
     labels = [r["candidate"].label for r in rec.rows]
     assert set(labels) == {"fp8", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head", "fp8 skip 0,3",
-                           "kvquant k=int8-channel-g64,v=int8-head", "turboquant_4bit_nc on every layer"}
+                           "int4_per_token_head", "fp8 (calibrated)", "turboquant_4bit_nc on every layer",
+                           "kvquant k=int8-channel-g64,v=int8-head",
+                           "kvquant k=int4-channel-g64-rot,v=int4-g64-rot,sink=4,window=128",
+                           "kvquant k=int4-channel-g64-rot,v=int2-g64-rot,sink=4,window=128"}
+    written = tmp_path / "scales" / "kv_scales.safetensors"
+    scales = load_kv_scales(written)
+    from safetensors import safe_open
+
+    with safe_open(str(written), framework="pt") as f:
+        meta = f.metadata()
+    evaluated, used = json.loads(meta["excluded"]), json.loads(meta["documents"])
+    assert evaluated and used and not set(evaluated) & set(used)  # calibration text is never evaluation text
+    model, tok = load_model(str(tiny4_dir))
+    text = calibration_documents(tok, str(tiny_corpus), 8, 256, exclude_from=None, exclude_titles=evaluated)
+    assert text.titles == used
+    expect = scales_from_absmax(*kv_absmax(model, text.ids))
+    assert torch.equal(scales.k, expect.k) and torch.equal(scales.v, expect.v)
+    calibrated = {r["candidate"].label: r["candidate"] for r in rec.rows}["fp8 (calibrated)"]
+    assert calibrated.scheme == f"vllm:fp8,calib={written}"
+    cache = QuantizedCache(parse_scheme(calibrated.scheme), AutoConfig.from_pretrained(tiny4_dir))
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), cache=cache)
+    assert [lay.key_codec.scale for lay in cache.layers] == scales.k[:, 0].tolist()
+    assert [lay.value_codec.scale for lay in cache.layers] == scales.v[:, 0].tolist()
+    assert f"wrote {written}" in report_text(rec)
     skipped = {s.label: s.reason for s in rec.plan.skipped}  # 4 layers: vLLM keeps its 2 + 2 boundary layers
     assert all("all 4 layers unquantized" in skipped[n] for n in ("turboquant_k8v4", "turboquant_3bit_nc"))
     for r in rec.rows:  # both modes measured for every candidate
@@ -82,13 +120,23 @@ def test_recommend_vllm_end_to_end_and_resume(tiny4_dir, tiny_corpus, tmp_path):
         assert label in text
     assert rec.pick is not None and rec.pick.kind != "kvquant"
     assert f"vllm serve {tiny4_dir} --kv-cache-dtype {rec.pick.label.split()[0]}" in text
-    assert "int4_per_token_head" in text  # listed as not measured, with the reason
+    assert "nvfp4" in text  # listed as not measured, with the reason
     saved = json.loads((out / "recommendation.json").read_text())
     assert saved["pick"]["deploy"] == rec.pick.deploy
+    import csv
+
+    with (out / "recommendation.csv").open() as f:
+        table = list(csv.DictReader(f))
+    alls = [(t["label"], t["mode"]) for t in table if t["bucket"] == "all"]
+    assert sorted(alls) == sorted((label, m) for label in labels for m in ("prefill", "cache"))
+    first = next(t for t in table if t["rank"] == "1" and t["mode"] == "prefill" and t["bucket"] == "all")
+    assert float(first["kl"]) == rec.rows[0]["kl"] and first["label"] == labels[0]
     for mode in ("prefill", "cache"):
         assert (out / mode / "report.md").is_file() and (out / mode / "summary.csv").is_file()
     rows_before = {m: (out / m / "results.jsonl").read_text() for m in ("prefill", "cache")}
-    again = recommend("vllm", str(tiny4_dir), **kw)  # resumes: nothing measured twice
+    stamp = written.stat().st_mtime_ns
+    again = recommend("vllm", str(tiny4_dir), **kw)  # resumes: nothing measured twice, the same scales
+    assert written.stat().st_mtime_ns == stamp and f"scored the existing {written}" in report_text(again)
     assert {m: (out / m / "results.jsonl").read_text() for m in ("prefill", "cache")} == rows_before
     assert again.pick == rec.pick and [r["label"] for r in again.rows] == [r["label"] for r in rec.rows]
 
@@ -119,6 +167,16 @@ def test_cli_refuses_unknown_gpu(capsys):
 def test_recommend_rejects_bad_tolerance():
     with pytest.raises(RunError, match="tolerance"):
         recommend("vllm", None, tolerance=0.0)
+
+
+def test_export_is_refused_before_loading(tmp_path):
+    """--export writes vLLM's k_scale / v_scale: another engine, or a file where the folder should be, is
+    refused before any model loads."""
+    with pytest.raises(RunError, match="takes --engine vllm, not llama.cpp"):
+        recommend("llama.cpp", None, export=str(tmp_path))
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(RunError, match="is a file"):
+        recommend("vllm", None, export=str(tmp_path / "f"))
 
 
 # docs/scale.md's commands for the sweep as a job array (test_sweep_shards_and_merge_equal_one_process)
