@@ -77,6 +77,11 @@ order (only -prerope follows them):
     -had          randomized Walsh-Hadamard rotation (kvquant's -rot) instead of the paper's dense Haar one
     -nc           norm correction: the stored norm makes the decoded vector keep the input's norm
     -seedS        seed of the rotations and the projection (default 0); -blockN: tokens per outlier choice
+
+RoPE frequency blocks (Block-GTQ style; `kvquant.codecs.ropeblocks`) are a family too: `rbqB-lfPbH` stores
+the P lowest-frequency RoPE pairs of the head dim (rotate-half layout: channels D/2-P..D/2-1 and D-P..D-1) as
+intH and the other channels as intB, each block with its own scales, then `-head` (default), `-gN` or
+`-channel-gN`, then only -prerope: `rbq2-lf8b4-channel-g64-prerope` (keys, 3.0 bits at D = 64).
 """
 
 from __future__ import annotations

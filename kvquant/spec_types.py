@@ -228,6 +228,14 @@ def grain_of(granularity: Granularity, group_size: int | None) -> Grain:
 SPEC_FAMILIES: dict[str, type] = {}
 
 
+def _match_or_refuse(pattern: re.Pattern, text: str, usage: str) -> re.Match:
+    """A family's own grammar: the match of `text`, or SchemeError saying how to write it."""
+    m = pattern.match(text)
+    if not m:
+        raise SchemeError(usage)
+    return m
+
+
 def spec_family(prefix: str) -> Callable[[type], type]:
     """Class decorator: strings starting with `prefix` are specs of this family (`turbo`: TurboSpec). The
     class gives parse(text) (raising SchemeError with what is valid), name(), bits and
@@ -467,12 +475,10 @@ class TurboSpec:
 
     @classmethod
     def parse(cls, text: str) -> TurboSpec:
-        m = _TURBO_RE.match(text)
-        if not m:
-            raise SchemeError(
-                "write turbo<bits>[.25|.5|.75][-qjl][-had][-nc][-seedS][-blockN] "
-                "(options in this order), e.g. turbo3, turbo3.5, turbo2.5-qjl, turbo3-had-nc"
-            )
+        m = _match_or_refuse(
+            _TURBO_RE, text, "write turbo<bits>[.25|.5|.75][-qjl][-had][-nc][-seedS][-blockN] "
+            "(options in this order), e.g. turbo3, turbo3.5, turbo2.5-qjl, turbo3-had-nc",
+        )
         frac = {None: 0, "25": 1, "5": 2, "75": 3}[m["frac"]]
         return cls(
             int(m["bits"]), frac, bool(m["qjl"]), "hadamard" if m["had"] else "dense", bool(m["nc"]),
@@ -558,12 +564,11 @@ class RopeBlocks:
 
     @classmethod
     def parse(cls, text: str) -> RopeBlocks:
-        m = _RBQ_RE.match(text)
-        if not m:
-            raise SchemeError(
-                "write rbq<bits>-lf<pairs>b<bits>[-head|-gN|-channel-gN], e.g. rbq2-lf8b4-channel-g64: P "
-                "lowest-frequency RoPE pairs at the second number of bits, the rest at the first"
-            )
+        m = _match_or_refuse(
+            _RBQ_RE, text, "write rbq<bits>-lf<pairs>b<bits>[-head|-gN|-channel-gN], e.g. "
+            "rbq2-lf8b4-channel-g64: P lowest-frequency RoPE pairs at the second number of bits, the rest at "
+            "the first",
+        )
         g = m["grain"] or "head"
         grain = PerHead() if g == "head" else (
             TokenGroups(int(g[len("channel-g"):])) if g.startswith("channel") else ChannelGroups(int(g[1:])))
