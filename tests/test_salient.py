@@ -329,6 +329,31 @@ def test_what_is_not_supported_is_refused(model64):
     assert parse_eval_scheme(scheme).modes == ("cache", "prefill")
 
 
+def test_left_padded_batch_keeps_the_full_rows_choice(model64):
+    """In a left-padded batch (the model's explicit mask), the unpadded row chooses and predicts as it does
+    alone (statistics are per sequence; padded queries give no shares), chunked or not; padded rows stay
+    finite."""
+    scheme = "int2-g16,sink=2,window=6,salient=2/16"
+    g = torch.Generator().manual_seed(12)
+    ids = torch.randint(1, 5000, (2, 50), generator=g)
+    mask = torch.ones(2, 50, dtype=torch.long)
+    mask[1, :13] = 0
+    pos = (mask.cumsum(-1) - 1).clamp_min(0)
+    alone = _run(model64, ids[:1], kvquant.QuantizedCache(scheme, model64.config), 1)
+    for chunks in ([50], [20, 30]):
+        cache = kvquant.QuantizedCache(scheme, model64.config)
+        out, start = [], 0
+        with torch.no_grad():
+            for n in chunks:
+                sl = slice(start, start + n)
+                out.append(model64(ids[:, sl], cache=cache, attention_mask=mask[:, : start + n],
+                                   position_ids=pos[:, sl]).logits)
+                start += n
+        got = torch.cat(out, dim=1)
+        torch.testing.assert_close(got[:1], alone, atol=1e-9, rtol=0)
+        assert torch.isfinite(got).all()
+
+
 def test_generate_and_beams_run_and_hold_what_the_formula_says(model64):
     scheme = "int2-g16,sink=2,window=8,salient=2/16"
     ids = _ids(1, 30, seed=9)
