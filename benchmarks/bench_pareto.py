@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import math
+import re
 import sys
 from pathlib import Path
 
@@ -39,8 +41,12 @@ LEVELS = (2.5, 3.0, 3.5)
 
 
 def family(scheme: str) -> str:
+    if "salient=" in scheme:
+        return "saliency (salient=N/G)"
     if scheme.startswith("layers="):
         return "allocation (budget=B)"
+    if "rbq" in scheme:
+        return "RoPE blocks (rbq)"
     if scheme.startswith("turbo") or ",v=turbo" in scheme or scheme.startswith("k=turbo"):
         return "TurboQuant"
     if "-crot" in scheme:
@@ -60,9 +66,7 @@ def level(bits: float) -> float | None:
 def short(scheme: str) -> str:
     if scheme.startswith("layers="):
         return f"per-layer ({scheme.split(',')[0].count('+') + 1} ranges; in the CSV)"
-    for c in (",calib=calib/smollm2-nuq.safetensors", ",calib=calib/smollm2-crot.safetensors"):
-        scheme = scheme.replace(c, ",calib=…")
-    return scheme
+    return re.sub(r",calib=[^,]+", ",calib=…", scheme)
 
 
 def front(rows: list[Row]) -> set[str]:
@@ -84,7 +88,8 @@ def plot(rows: list[Row], path: Path) -> bool:
         return False
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for fam, marker in (("uniform", "o"), ("TurboQuant", "s"), ("calibrated rotation", "^"),
-                        ("allocation (budget=B)", "D")):
+                        ("allocation (budget=B)", "D"), ("saliency (salient=N/G)", "v"),
+                        ("RoPE blocks (rbq)", "P")):
         mine = [r for r in rows if family(r.scheme) == fam]
         if not mine:
             continue
@@ -101,6 +106,13 @@ def plot(rows: list[Row], path: Path) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def _titles(run: Path, docs: list[int]) -> list[str]:
+    """The titles of the documents `docs` (ids) as the run's config.json names them."""
+    cfg = json.loads((run / "config.json").read_text())
+    names = {int(d["id"]): d.get("title", str(d["id"])) for d in cfg["documents"]}
+    return [names.get(i, str(i)) for i in docs]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -156,11 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         *([args.note, ""] if args.note else []),
         f"Runs: {', '.join(str(d) for d in args.runs)}; documents per run: "
         + ", ".join(f"{k} {v} ({tokens[k]:,} predicted tokens)" for k, v in docs_of.items())
-        + f"; documents shared: {docs}. Default model (SmolLM2-135M), held-out Wikipedia articles "
-        "(>= 8,192 tokens; the calibration text is shorter articles).",
+        + f"; documents shared: {docs} ({', '.join(_titles(args.runs[0], docs))}). Default model "
+        "(SmolLM2-135M); whether these articles are held out from a row's calibration text is the run's "
+        "to say (the harness picks documents by length in a seeded order: at --max-length below 8,192 it "
+        "can pick the calibration articles).",
         "Cells: perplexity drift vs FP16 with its 95% interval; KL(fp16 || scheme) per token with its 95% "
-        "interval; bits at FP16 scales, no sink, no window. `front`: no row with fewer or equal bits has a "
-        "KL interval entirely below this one's.",
+        "interval; bits: effective bits at FP16 scales in steady state (sink and window tokens, FP, not "
+        "counted). `front`: no row with fewer or equal bits has a KL interval entirely below this one's.",
         "",
         *lines,
         "",

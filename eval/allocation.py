@@ -196,16 +196,21 @@ def measure_joint_sensitivity(
     progress=None,
     group: int = 1,
     refs: Sequence[torch.Tensor] | None = None,
+    known: dict[tuple[int, str, str], float] | None = None,
+    base_kl: float | None = None,
 ) -> tuple[Sensitivity, float]:
-    """Sensitivities at the operating point rather than alone: every other layer stays quantized with the
-    uniform recipe `around` while one group's K (or V) switches to a candidate; the cost of (g, r, s) is
-    KL(scheme with the switch) - KL(around), so what a layer costs is measured with the error of all the
-    others already in the residual stream (the interactions that made alone-measured sensitivities not add).
-    The around spec itself costs 0 and needs no forward. Returns (sensitivity of deltas, KL(around))."""
+    """Sensitivities at the operating point rather than alone: every other layer stays quantized as in
+    `around` (a uniform recipe, or an allocation when re-measuring around one: `run_allocation`'s rounds)
+    while one group's K (or V) switches to a candidate; the cost of (g, r, s) is KL(scheme with the switch) -
+    KL(around), so what a layer costs is measured with the error of all the others already in the residual
+    stream (the interactions that made alone-measured sensitivities not add). The around spec itself costs 0
+    and needs no forward; `known` deltas (measured before at the same operating point and text) and
+    `base_kl` (KL(around), when known) are taken as given. Returns (sensitivity of deltas, KL(around))."""
     shape = KVShape.from_config(model.config)
     refs = refs if refs is not None else reference_logprobs(model, documents)
     base = [(around.for_layer(i).key, around.for_layer(i).value) for i in range(shape.num_layers)]
-    base_kl = scheme_kl(model, documents, refs, around)
+    base_kl = base_kl if base_kl is not None else scheme_kl(model, documents, refs, around)
+    known = known or {}
     sens = Sensitivity(group=group)
     cands = [("k", parse_spec(s)) for s in key_candidates] + [("v", parse_spec(s)) for s in value_candidates]
     for role, spec in cands:
@@ -217,6 +222,8 @@ def measure_joint_sensitivity(
             at = {str(base[i][0 if role == "k" else 1]) for i in layers}
             if at == {str(spec)}:
                 sens.kl[(gi, role, str(spec))] = 0.0
+            elif (gi, role, str(spec)) in known:
+                sens.kl[(gi, role, str(spec))] = known[(gi, role, str(spec))]
             else:
                 specs = list(base)
                 for layer in layers:
@@ -326,11 +333,16 @@ def run_allocation(
     tokenizer=None,
     around: Scheme | None = None,
     write_calib: bool = False,
+    rounds: int = 1,
 ) -> dict:
-    """Sensitivities (reused from out/sensitivity.json when its setup matches), the MILP choice, and the
+    """Sensitivities (reused from out/sensitivity.json as far as its setup matches), the MILP choice, and the
     predicted vs measured KL; writes out/allocation.json. around: a uniform recipe: joint sensitivities at
-    that operating point (`measure_joint_sensitivity`) instead of alone. write_calib: store the allocation in
-    base's calibration file (`budget=B,calib=FILE` then resolves to it)."""
+    that operating point (`measure_joint_sensitivity`) instead of alone. rounds > 1 (joint only): measure
+    again around each round's choice (out/sensitivity_round<r>.json) and choose again, until the choice
+    repeats or the rounds are spent, so interactions are measured where the allocation moves; the result
+    is the choice with the lowest measured calibration KL (the around recipe's counts: when no allocation
+    beats it, the uniform recipe is the result). write_calib: store the allocation in base's calibration
+    file (`budget=B,calib=FILE` then resolves to it)."""
     import json
     from pathlib import Path
 
@@ -340,6 +352,8 @@ def run_allocation(
 
     if write_calib and base.calib is None:  # refused before any measurement
         raise ValueError("--write-calib stores the allocation in the calibration file: give --calib FILE")
+    if rounds < 1 or (rounds > 1 and around is None):
+        raise ValueError(f"rounds={rounds}: at least 1, and more than 1 only with --around (joint)")
     if model is None:
         model, tokenizer = kvquant.load_model(model_path)
     shape = KVShape.from_config(model.config)
@@ -350,36 +364,82 @@ def run_allocation(
         model_path, key_candidates, value_candidates, base, calib_text.titles, length, group, around
     )
     out = Path(out) if out is not None else None
-    sens, base_kl = _sensitivities(
-        model, calib_text.ids, setup, out, key_candidates, value_candidates, base, around, group
-    )
-    chosen, predicted = allocate(sens, shape.num_layers, budget_bits)
-    predicted += base_kl  # joint: KL(around) + the deltas (alone: base_kl is 0)
-    scheme = scheme_from_choice(chosen, shape.num_layers, base)
-    refs = reference_logprobs(model, calib_text.ids)
+    steps = _rounds(model, calib_text.ids, setup, out, key_candidates, value_candidates, base, around, group,
+                    rounds, budget_bits, shape.num_layers)
+    best = min(steps, key=lambda st: st.measured)
+    scheme, sens, base_kl = best.scheme, best.sens, best.base_kl
     result = {
         "scheme": str(scheme),
         "budget_bits": budget_bits,
         "effective_bits": effective_bits(model.config, scheme),
-        "predicted_kl": predicted,
-        "measured_kl_calibration": scheme_kl(model, calib_text.ids, refs, scheme),
+        "predicted_kl": best.predicted,
+        "measured_kl_calibration": best.measured,
         "calibration": {"documents": calib_text.titles, "tokens_each": length, "mode": "cache"},
+        "rounds": [st.row(model.config) for st in steps],
     }
-    del refs
     if eval_docs:
         result["evaluation"] = _evaluation(
             model, tokenizer, eval_docs, eval_length, seed, calib_text.titles, [scheme, *compare], sens,
             shape.num_layers, around is not None, base_kl,
         )
-    result["choice"] = {f"{i}.{r}": s for (i, r), s in sorted(chosen.items())}
+    result["choice"] = {f"{i}.{r}": str(getattr(scheme.for_layer(i), "key" if r == "k" else "value"))
+                        for i in range(shape.num_layers) for r in ("k", "v")}
     if around is not None:
-        result["around"] = {"scheme": str(around), "measured_kl_calibration": base_kl}
+        result["around"] = {"scheme": str(around), "measured_kl_calibration": steps[0].base_kl}
     if write_calib:
         result["written_to"] = _write_calib(base, budget_bits, scheme, result, calib_text.titles, setup)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)
         (out / "allocation.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
+
+
+@dataclass
+class _Round:
+    """One round of the allocation: the operating point it was measured around (None: alone), its
+    sensitivities and KL, the MILP's choice with the additive prediction, and the KL measured with it."""
+
+    around: Scheme | None
+    sens: Sensitivity
+    base_kl: float
+    scheme: Scheme
+    predicted: float
+    measured: float
+
+    def row(self, config) -> dict:
+        from kvquant.memory import effective_bits
+
+        return {"around": None if self.around is None else str(self.around), "around_kl": self.base_kl,
+                "scheme": str(self.scheme), "effective_bits": effective_bits(config, self.scheme),
+                "predicted_kl": self.predicted, "measured_kl_calibration": self.measured}
+
+
+def _rounds(
+    model, ids, setup: dict, out, key_candidates, value_candidates, base: Scheme, around: Scheme | None,
+    group: int, rounds: int, budget_bits: float, num_layers: int,
+) -> list[_Round]:
+    """Round 1 around `around` (or alone); each further round around the last choice. The around recipe is
+    also a candidate result: its row (a choice equal to it, predicted = measured = its KL) comes first."""
+    refs = reference_logprobs(model, ids)
+    steps: list[_Round] = []
+    point, point_kl = around, None
+    for r in range(rounds):
+        name = "sensitivity.json" if r == 0 else f"sensitivity_round{r + 1}.json"
+        step_setup = setup if r == 0 else {**setup, "around": str(point)}
+        sens, base_kl = _sensitivities(model, ids, step_setup, out, key_candidates, value_candidates, base,
+                                       point, group, name=name, refs=refs, base_kl=point_kl)
+        if r == 0 and around is not None:
+            steps.append(_Round(around, sens, base_kl, around, base_kl, base_kl))
+        chosen, predicted = allocate(sens, num_layers, budget_bits)
+        scheme = scheme_from_choice(chosen, num_layers, base if point is None else point)
+        seen = next((st for st in steps if str(st.scheme) == str(scheme)), None)
+        measured = seen.measured if seen is not None else scheme_kl(model, ids, refs, scheme)
+        steps.append(_Round(point, sens, base_kl, scheme, predicted + base_kl, measured))
+        logger.info("round %d: %s predicted %.4g measured %.4g", r + 1, scheme, predicted + base_kl, measured)
+        if point is None or seen is not None:
+            break
+        point, point_kl = scheme, measured
+    return steps
 
 
 def _allocation_setup(model_path: str | None, key_candidates: Sequence[str], value_candidates: Sequence[str],
@@ -414,43 +474,46 @@ def _evaluation(model, tokenizer, docs: int, length: int, seed: int, calib_title
     }
 
 
+_CANDIDATE_KEYS = ("key_candidates", "value_candidates")
+
+
 def _sensitivities(model, ids, setup: dict, out, key_candidates, value_candidates, base: Scheme,
-                   around: Scheme | None, group: int) -> tuple[Sensitivity, float]:
-    """(sensitivities, KL of `around`): reused from out/sensitivity.json when its setup matches, else
-    measured (jointly around `around`, or each candidate alone over `base`) and saved there."""
+                   around: Scheme | None, group: int, *, name: str = "sensitivity.json", refs=None,
+                   base_kl: float | None = None) -> tuple[Sensitivity, float]:
+    """(sensitivities, KL of `around`), saved to out/name. Reused from that file: all of it when its setup
+    is this one; with `around` (joint), every delta it holds for a setup that differs only in the candidate
+    lists (a candidate added costs its own forwards only); the rest is measured."""
     import json
 
-    if out is not None and (out / "sensitivity.json").is_file():
-        saved = json.loads((out / "sensitivity.json").read_text())
-        if saved.get("setup") == setup:
-            logger.info("reusing %s", out / "sensitivity.json")
-            return Sensitivity.from_json(saved), saved.get("around_kl", 0.0)
-    base_kl = 0.0
+    path = out / name if out is not None else None
+    saved = json.loads(path.read_text()) if path is not None and path.is_file() else None
+    if saved is not None and saved.get("setup") == setup:
+        logger.info("reusing %s", path)
+        return Sensitivity.from_json(saved), saved.get("around_kl", 0.0)
+    known: dict = {}
+    if saved is not None and around is not None and _same_but_candidates(saved.get("setup", {}), setup):
+        known = Sensitivity.from_json(saved).kl
+        base_kl = base_kl if base_kl is not None else saved.get("around_kl")
+        logger.info("reusing %d deltas of %s", len(known), path)
+    progress = (lambda n, total: logger.info("%s %d/%d", name, n, total))
     if around is not None:
-        sens, base_kl = measure_joint_sensitivity(
-            model,
-            ids,
-            key_candidates,
-            value_candidates,
-            around,
-            progress=lambda n, total: logger.info("joint sensitivity %d/%d", n, total),
-            group=group,
-        )
+        sens, base_kl = measure_joint_sensitivity(model, ids, key_candidates, value_candidates, around,
+                                                  progress=progress, group=group, refs=refs, known=known,
+                                                  base_kl=base_kl)
     else:
-        sens = measure_sensitivity(
-            model,
-            ids,
-            key_candidates,
-            value_candidates,
-            base,
-            progress=lambda n, total: logger.info("sensitivity %d/%d", n, total),
-            group=group,
-        )
-    if out is not None:
+        sens, base_kl = measure_sensitivity(model, ids, key_candidates, value_candidates, base,
+                                            progress=progress, group=group), 0.0
+    if path is not None:
         out.mkdir(parents=True, exist_ok=True)
-        saved = {"setup": setup, **sens.to_json(), "around_kl": base_kl}
-        (out / "sensitivity.json").write_text(json.dumps(saved) + "\n")
+        kl = {**known, **sens.kl}  # deltas of candidates not in this run's lists stay for a later one
+        saved = {"setup": setup, **Sensitivity(kl, sens.bits, sens.group).to_json(), "around_kl": base_kl}
+        path.write_text(json.dumps(saved) + "\n")
     return sens, base_kl
+
+
+def _same_but_candidates(a: dict, b: dict) -> bool:
+    return {k: v for k, v in a.items() if k not in _CANDIDATE_KEYS} == {
+        k: v for k, v in b.items() if k not in _CANDIDATE_KEYS}
 
 
 def _evaluate(model, ids, schemes: Sequence[Scheme], sens: Sensitivity, num_layers: int, joint: bool,

@@ -60,6 +60,11 @@ class FakeQuantCache(Cache):
 
     def __init__(self, scheme: Scheme, config=None):
         self.scheme = require_scheme(scheme, "FakeQuantCache")  # parsed once, at the entry point
+        if self.scheme.salient is not None:
+            raise ValueError(
+                f"salient={self.scheme.salient} chooses tokens from the attention a cache sees; fake mode "
+                "has no cache: run it in cache or prefill mode"
+            )
         if config is None:
             if self.scheme.layers:
                 raise ValueError(f"scheme {self.scheme} has per-layer specs: pass the model's config")

@@ -35,6 +35,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache
 
 import kvquant
+from kvquant.salient import fp_prefill, needs_prompt_queries
 
 from . import scoring
 from .fakequant import FakeQuantCache
@@ -337,7 +338,10 @@ def _scheme_hiddens(
     out: dict[str, torch.Tensor] = {}
     for r in list(runs[1:]):
         try:
-            if prefilling:
+            if prefilling and needs_prompt_queries(r.cache):  # its prompt's queries choose (salient=N/G)
+                with fp_prefill(r.cache):
+                    out[r.label] = _hidden(model, piece, r.cache)
+            elif prefilling:
                 if live is not None:
                     fp_cache, out[r.label] = runs[0].cache, live
                 else:

@@ -226,7 +226,7 @@ def parse_eval_scheme(text) -> EvalScheme:
     if isinstance(text, (KVQuantScheme, PeerScheme)):
         return text
     if isinstance(text, Scheme):
-        return KVQuantScheme(text)
+        return _kvquant_scheme(text)
     raw = text.strip().lower()  # peers only; kvquant's parser lowercases all but a calib= path itself
     if raw.startswith("hf-"):
         m = _PEER_RE.match(raw)
@@ -236,7 +236,14 @@ def parse_eval_scheme(text) -> EvalScheme:
                 f"{', '.join(PEER_BACKENDS)} (for example hf-quanto-int4, hf-hqq-int8)"
             )
         return PeerScheme(m["backend"], int(m["bits"]), int(m["group"] or 64))
-    return KVQuantScheme(kvquant.parse_scheme(text))
+    return _kvquant_scheme(kvquant.parse_scheme(text))
+
+
+def _kvquant_scheme(scheme: Scheme) -> KVQuantScheme:
+    """salient=N/G runs in cache and prefill modes (fake mode has no cache to keep statistics in)."""
+    if scheme.salient is not None:
+        return KVQuantScheme(scheme, ("cache", "prefill"))
+    return KVQuantScheme(scheme)
 
 
 def scheme_label(scheme) -> str:

@@ -60,6 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
         "quantized with it while one group switches); its specs join the candidates",
     )
     p.add_argument(
+        "--rounds", type=int, default=1,
+        help="with --around: measure again around each round's choice and choose again (default 1); the "
+        "result is the choice with the lowest measured calibration KL, the --around recipe included",
+    )
+    p.add_argument(
         "--write-calib",
         action="store_true",
         help="store the allocation in --calib: budget=B,calib=FILE then resolves to it in every tool",
@@ -77,6 +82,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
         ("--length", args.length, 2, "tokens per calibration document"),
         ("--eval-docs", args.eval_docs, 0, "held-out articles; 0 skips the check"),
         ("--eval-length", args.eval_length, 2, "tokens per held-out article"),
+        ("--rounds", args.rounds, 1, "rounds of joint sensitivities"),
     ):
         if value < low:
             raise SchemeError(f"{flag} {value} must be at least {low} ({why})")
@@ -115,6 +121,8 @@ def _parse_schemes(args: argparse.Namespace) -> _Parsed:
             raise SchemeError("--around is a uniform recipe (one k= and v=), not a per-layer scheme")
     if args.write_calib and not args.calib:
         raise SchemeError("--write-calib stores the allocation in the calibration file; give --calib")
+    if args.rounds > 1 and around is None:
+        raise SchemeError("--rounds measures again around each choice: it needs --around (joint)")
     return _Parsed(kc, vc, base, compare, around)
 
 
@@ -169,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         out=Path(args.out),
         around=parsed.around,
         write_calib=args.write_calib,
+        rounds=args.rounds,
     )
     print(json.dumps({k: v for k, v in result.items() if k != "choice"}, indent=1))
     print(result["scheme"])

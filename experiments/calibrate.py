@@ -7,6 +7,8 @@ learned to preserve the attention output) on calibration text and write them (sa
         --out calib/mine.safetensors
     python experiments/calibrate.py --scheme int2-g64-crot --docs 3 --length 1024 \\
         --out calib/smollm2-crot.safetensors     # 2 documents fit the rotations, the 3rd is held out
+    python experiments/calibrate.py --merge calib/smollm2-nuq.safetensors \\
+        --merge calib/smollm2-crot.safetensors --out calib/smollm2-mixed.safetensors  # one calib= for both
 
 Then use the scheme with `,calib=calib/smollm2-nuq3.safetensors` (printed at the end). Calibration text:
 Wikipedia articles of at least --length tokens and fewer than 8,192 (the 8k evaluation's articles are
@@ -27,7 +29,11 @@ from kvquant.scheme import SchemeError, parse_scheme
 
 def build_parser() -> argparse.ArgumentParser:
     p = script_parser(__doc__)
-    p.add_argument("--scheme", action="append", required=True, help="a scheme with nuqN specs (repeatable)")
+    p.add_argument("--scheme", action="append", help="a scheme with nuqN or -crot specs (repeatable)")
+    p.add_argument(
+        "--merge", action="append", default=[],
+        help="instead of fitting, merge these calibration files (repeatable, >= 2) into --out",
+    )
     p.add_argument(
         "--out", required=True, help="output file NAME.safetensors (NAME.json is written beside it)"
     )
@@ -82,6 +88,11 @@ def check_args(args: argparse.Namespace) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.merge:
+        return _merge(args)
+    if not args.scheme:
+        print("calibrate.py: error: give --scheme (to fit) or --merge FILE --merge FILE", file=sys.stderr)
+        return 2
     try:  # validate before heavy imports
         schemes = check_args(args)
     except (RunError, SchemeError) as e:
@@ -103,6 +114,22 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote {path} and its .json; schemes:")
     for s in with_calib:
         print(f"  {s}")
+    return 0
+
+
+def _merge(args: argparse.Namespace) -> int:
+    """--merge A --merge B --out C: every table of A and B in C (`kvquant.calibration.merge_calibrations`)."""
+    from kvquant.calibration import CalibrationError, merge_calibrations
+
+    if args.scheme:
+        print("calibrate.py: error: --merge takes no --scheme (it fits nothing)", file=sys.stderr)
+        return 2
+    try:
+        st, _ = merge_calibrations(args.merge, args.out)
+    except CalibrationError as e:
+        print(f"calibrate.py: error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {st} and its .json")
     return 0
 
 

@@ -55,6 +55,9 @@ def kvquant_attention(
 ) -> tuple[torch.Tensor, None]:
     """Returns (attn_output (B, q, H_q, D), None), as transformers' attention functions do."""
     if isinstance(key, LayerView):
+        if key.salient is not None:  # salient=N/G (kvquant.salient): statistics and choice, then reference
+            patch = key.salient.before_attention(query, key, attention_mask, scaling)
+            return reference_attention(query, key, attention_mask, scaling, body_patch=patch), None
         # the kernel when kvquant.backend chose it for this layer (LayerPaths.attend) and for this call
         if key.kernel_registry is not None and call_attends(query, attention_mask, key.shape[2]):
             from .kernels.dispatch import fused_attention  # lazy: `import kvquant` never imports triton
@@ -91,6 +94,7 @@ def reference_attention(
     scaling: float | None = None,
     *,
     stream_tokens: int = STREAM_TOKENS,
+    body_patch=None,
 ) -> torch.Tensor:
     """Attention of `query` over the layer view, streaming its pages: (B, q, H_q, D).
 
@@ -100,6 +104,8 @@ def reference_attention(
     of queries goes through torch's fused CPU attention kernel one (query block, key block) tile at a time,
     skipping tiles its mask hides entirely (the causal upper triangle). A query that may attend to no key
     gets zeros. `attention_mask` None means causal over absolute positions (every key for one query).
+    body_patch(sub, k, v, key_frame, value_frame) -> (k, v): called on every decoded body block (a salient
+    layer puts its salient tokens in place, `kvquant.salient`); the block path then serves decoding too.
     """
     b, hq, q, d = query.shape
     hkv = view.shape[1]
@@ -108,12 +114,12 @@ def reference_attention(
     work = torch.float64 if query.dtype == torch.float64 else torch.float32
     scale = scaling if scaling is not None else d**-0.5
     masks = _Masks(query, view, attention_mask)
-    if q <= _DIRECT_QUERIES and masks.ends is None:  # decoding: every key is read as stored
+    if q <= _DIRECT_QUERIES and masks.ends is None and body_patch is None:  # decoding: keys read as stored
         return _two_pass(query, view, masks, scale, work, stream_tokens)
     state = _Merge(b, hq, q, d, work, query.device)
     tiled = q > _DIRECT_QUERIES
     rotated: dict[int, torch.Tensor] = {}  # the query in each key frame, rotated once per call
-    for seg in _segments(view, masks, work, stream_tokens):
+    for seg in _segments(view, masks, work, stream_tokens, body_patch):
         qs = query
         if seg.key_frame is not None:
             f = seg.key_frame
@@ -447,9 +453,12 @@ class _Masks:
         return quantized | ~in_fresh[None, :]
 
 
-def _segments(view: LayerView, masks: _Masks, work: torch.dtype, stream_tokens: int) -> Iterator[_Segment]:
-    """The view's keys and values block by block, decoded: sink, body (chunks of whole pages), window, and
-    the FP copies of freshly encoded tokens where a query of this chunk saw them unquantized."""
+def _segments(
+    view: LayerView, masks: _Masks, work: torch.dtype, stream_tokens: int, body_patch=None
+) -> Iterator[_Segment]:
+    """The view's keys and values block by block, decoded: sink, body (chunks of whole pages, each through
+    body_patch when given), window, and the FP copies of freshly encoded tokens where a query of this chunk
+    saw them unquantized."""
     sink_n, body_n = view.sink.length, view.body.length
     if sink_n:
         yield _Segment(*_fp_region(view, view.sink, work), 0)
@@ -461,6 +470,8 @@ def _segments(view: LayerView, masks: _Masks, work: torch.dtype, stream_tokens: 
         c0 = sink_n + off
         k = kc.decode_pages(view.key_pages, sub, work)  # in R's frame for a rotated codec: no R^T per token
         v = vc.decode_pages(view.value_pages, sub, work)
+        if body_patch is not None:
+            k, v = body_patch(sub, k, v, kf, vf)
         overlaps = masks.ends is not None and max(c0, f0) < min(c0 + sub.length, f1)
         yield _Segment(k, v, c0, "stored" if overlaps else None, kf, vf)
     if view.recent.length:

@@ -43,6 +43,7 @@ from .codecs.base import Codec, Field
 from .memory import KVShape
 from .paging import BlockTable, KVStore, LayerTables, PagePool, Region, gather_region
 from .plan import LayerPlan
+from .salient import SalientState
 from .scheme import Scheme, parse_scheme
 from .view import LayerView, _Stored
 
@@ -285,6 +286,8 @@ class QuantizedLayer(_BeamOps, _Inspect, CacheLayerMixin):
     def __new__(cls, *args, sliding_window: int | None = None, **kwargs):
         if cls is QuantizedLayer:
             cls = FullLayer if sliding_window is None else SlidingLayer
+            if sliding_window is None and _salient(args, kwargs):
+                cls = SalientLayer
         return super().__new__(cls)
 
     def __init__(
@@ -536,6 +539,67 @@ class FullLayer(QuantizedLayer):
         self.tables.adopt(length, sink_pages, body_pages, recent_first, recent_pages)
 
 
+class SalientLayer(FullLayer):
+    """A full-attention layer whose scheme has salient=N/G (`kvquant.salient`): a `FullLayer` whose
+    `SalientState` keeps the window's attention statistics and, once a forward's queries are counted, stores
+    each flushed group's salient tokens beside the body (attention calls it through the view).
+    `QuantizedLayer(...)` makes one for such a scheme."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.fp_prefill = False  # kvquant.salient.fp_prefill: this forward reads the prompt unquantized
+
+    def _init_storage(self, b: int, h: int, d: int, dtype: torch.dtype, device: torch.device) -> None:
+        super()._init_storage(b, h, d, dtype, device)
+        self.salient = SalientState(self.plan, self.tables)
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        state, first = self.salient, self.tables.length
+        state.fp_prefill = self.fp_prefill
+        state.before_append(k.shape[2])
+        fresh = super()._append(k, v)
+        state.after_append(first, k, fresh)
+        return fresh
+
+    def view(self, start=None, fresh=None) -> LayerView:
+        return dataclasses.replace(super().view(start, fresh), salient=self.salient)
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.salient.pending = None
+        super().reset()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove < 0 and self.length:
+            raise ValueError(
+                f"crop is not supported with salient={self.scheme.salient}: the window's attention "
+                "statistics include the shares of the queries it would remove; start a new cache instead"
+            )
+        super().crop(tokens_to_remove)
+
+    def _select_rows(self, indices: list[int]) -> None:
+        if self.is_initialized:
+            self.salient.resolve()  # choose before the rows are permuted (beams then share the pages)
+        super()._select_rows(indices)
+
+    def _materialized(self, which: str) -> torch.Tensor | None:
+        """`keys` / `values`: decoded from the pages with the salient rows in place."""
+        if not self.is_initialized:
+            return None
+        self.salient.resolve()
+        view = self.view()
+        fp = view.fp_k if which == "keys" else view.fp_v
+        parts = [gather_region({"x": fp}, {"x": Field(self.num_heads, 1, self.head_dim, fp.dtype)}, r)["x"]
+                 for r in (view.sink, view.recent)]
+        if view.body.length:
+            codec, pages = (view.key_codec, view.key_pages) if which == "keys" else (
+                view.value_codec, view.value_pages)
+            body = codec.decode_pages(pages, view.body, self.dtype)
+            k, v = self.salient.patch(view.body, body.clone(), body.clone(), None, None)
+            parts.insert(1, k if which == "keys" else v)
+        return torch.cat([p.to(self.dtype) for p in parts], dim=2)
+
+
 class SlidingLayer(QuantizedLayer):
     """A sliding-window layer: keeps only the pages its next query can attend to. No sinks: the model's
     mask never lets a query see a key behind its window, so sinks there would be dead bytes."""
@@ -548,6 +612,12 @@ class SlidingLayer(QuantizedLayer):
 
     def _after_update(self) -> None:
         self.tables.slide()
+
+
+def _salient(args: tuple, kwargs: dict) -> bool:
+    """Whether QuantizedLayer(...)'s scheme (first argument) has salient=N/G (`kvquant.salient`)."""
+    scheme = args[0] if args else kwargs.get("scheme")
+    return scheme is not None and parse_scheme(scheme).salient is not None
 
 
 def _check_states(key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -612,6 +682,11 @@ def _check_shared_store(store: KVStore, scheme: Scheme, config) -> None:
         raise ValueError(
             f"the shared store holds scheme {str(store.scheme)!r}, not {str(scheme)!r}; "
             "one store serves one scheme"
+        )
+    if scheme.salient is not None:
+        raise ValueError(
+            f"scheme {str(scheme)!r}: salient= keeps per-request attention statistics and is not supported "
+            "on a shared KVStore (prefix caching); use a private cache (no store=)"
         )
     if scheme.layers or scheme.calib is not None or scheme.prerope:
         # KVStore builds one codec pair from scheme.key/value for every layer, without tables or RoPE
@@ -684,6 +759,11 @@ class QuantizedCache(Cache):
             shape = KVShape.from_config(config)
             self.scheme.check_head_dim(shape.head_dim)
             self.scheme.check_num_layers(shape.num_layers)
+            if self.scheme.salient is not None and shape.sliding_layers:
+                raise ValueError(
+                    f"salient={self.scheme.salient} is not supported on sliding-window layers (this model's "
+                    f"layers {list(shape.sliding_layers)} slide); drop salient= for this model"
+                )
             positions = quirks.max_positions(config)
             if positions is not None:  # a token group the model can never fill
                 self.scheme.check_positions(positions, page_size=block_size)

@@ -50,6 +50,7 @@ __all__ = [
     "entries_for",
     "fit_codebook",
     "load_calibration",
+    "merge_calibrations",
     "save_calibration",
 ]
 
@@ -268,3 +269,33 @@ def store_allocation(calib: str, budget: float, scheme: Scheme, **facts) -> Path
     )
     js.write_text(json.dumps(meta, indent=1) + "\n")
     return js
+
+
+def merge_calibrations(sources: Sequence[str | os.PathLike], out: str | os.PathLike) -> tuple[Path, Path]:
+    """One file holding every table of `sources` (fitted on the same model): a scheme names one calib=
+    file, so candidates fitted apart (nuqN codebooks, -crot rotations) are merged to be allocated together.
+    A table two sources both hold must be equal; the JSON keeps the first source's model and shape, the union
+    of specs and schemes, and each source's own metadata under "merged_from" (allocations are not carried)."""
+    import torch
+
+    if len(sources) < 2:
+        raise CalibrationError(f"merging needs at least two calibration files, got {len(sources)}")
+    loaded = [load_calibration(s) for s in sources]
+    shape_keys = ("num_layers", "num_kv_heads", "head_dim")
+    first = loaded[0]
+    tables: dict[str, torch.Tensor] = {}
+    for cal in loaded:
+        if tuple(cal.meta.get(k) for k in shape_keys) != tuple(first.meta.get(k) for k in shape_keys):
+            raise CalibrationError(f"{cal.path} was fitted on another model shape than {first.path}")
+        for name, t in cal.tables.items():
+            if name in tables and not torch.equal(tables[name], t):
+                raise CalibrationError(f"{name} differs between the files merged ({cal.path}); keep one")
+            tables[name] = t
+    skip = {"format", "tables", "allocations", "schemes", "specs"}
+    meta = {k: v for k, v in first.meta.items() if k in (*shape_keys, "model")}
+    meta["schemes"] = sorted({s for cal in loaded for s in cal.meta.get("schemes", [])})
+    meta["specs"] = sorted({s for cal in loaded for s in cal.meta.get("specs", [])})
+    meta["merged_from"] = [
+        {"path": str(cal.path), **{k: v for k, v in cal.meta.items() if k not in skip}} for cal in loaded
+    ]
+    return save_calibration(out, tables, meta)

@@ -14,6 +14,7 @@ whole pages, exactly as the store holds them; `bytes_per_token` is the steady-st
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -101,7 +102,7 @@ def _torch_dtype(dtype: torch.dtype | int) -> torch.dtype:
 
 def bytes_per_token(config, scheme: Scheme | str, dtype: torch.dtype | int = torch.float16) -> float:
     """Steady-state bytes per token over all layers, K and V (sink and window tokens excluded); a per-layer
-    scheme sums its layers' specs."""
+    scheme sums its layers' specs, and salient=N/G adds its salient tokens (`LayerPlan.salient_fields`)."""
     shape, scheme = KVShape.from_config(config), parse_scheme(scheme)
     scheme.check_num_layers(shape.num_layers)
     n = 1024 * scheme.tokens_per_flush  # whole channel groups, so the per-token rate is exact
@@ -111,6 +112,12 @@ def bytes_per_token(config, scheme: Scheme | str, dtype: torch.dtype | int = tor
         total += sum(
             spec_bytes(s, n, shape.num_kv_heads, shape.head_dim, dtype) for s in (layer.key, layer.value)
         )
+    if scheme.salient is not None:
+        plan = LayerPlan.build(
+            dataclasses.replace(scheme.for_layer(0), layers=()), heads=shape.num_kv_heads,
+            head_dim=shape.head_dim, dtype=_torch_dtype(dtype),
+        )
+        total += shape.num_layers * sum(f.nbytes(n) for f in plan.salient_fields().values())
     return total / n
 
 
@@ -224,6 +231,8 @@ def _shared_layout(
     if prefix <= 0:
         return 0, 0
     dtype = _torch_dtype(dtype)  # both public callers accept a byte count too
+    if scheme.salient is not None:  # no prefix is shared with salient= (kvquant.cache refuses a shared store)
+        return 0, 0
     full = [i for i in range(shape.num_layers) if i not in set(shape.sliding_layers)]
     per: dict[Scheme, tuple[int, int]] = {}
     total = [0, 0]

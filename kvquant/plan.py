@@ -13,10 +13,13 @@ many FP pages can this layer ever hold at once" asks the plan:
 Body pages hold `block_size` tokens: the requested page size raised to a multiple of every codec's token
 group (a channel-wise group of 64 tokens makes 64-token pages). FP pages hold `fp_block_size` tokens, the
 requested size itself (it divides block_size), so a 4-token sink and a window of about `window` tokens are
-not rounded up to the codecs' groups. Tokens of the body and the window share one numbering (body token i
-sits in body page i // block_size and in window page i // fp_block_size; each body page spans
-block_size // fp_block_size window pages), so a window page is freed once all its tokens are encoded. A
-sliding layer releases the pages before `dropped(n)`.
+not rounded up to the codecs' groups. With `salient=N/G` (`kvquant.salient`) body pages also hold, for each
+group of G tokens, the N salient tokens' K and V (the salient spec's fields) and their index in the group, and
+FP pages each token's attention statistic (fp32, one per head): the plan's fields and bytes say so, so the
+store, `nbytes()` and `kvquant.memory` count them like any field. Tokens of the body and the window share
+one numbering (body token i sits in body page i // block_size and in window page i // fp_block_size; each
+body page spans block_size // fp_block_size window pages), so a window page is freed once all its tokens are
+encoded. A sliding layer releases the pages before `dropped(n)`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,13 @@ import torch
 from .codecs.base import Codec, Field, codec_for
 from .scheme import Scheme
 
-__all__ = ["LayerPlan"]
+__all__ = ["LayerPlan", "salient_stat_dtype"]
+
+
+def salient_stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of salient=N/G's attention statistics beside K/V in `dtype`: fp32 (fp64 in fp64 runs, so
+    exact-arithmetic tests rank the same sums)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def _pages(lo: int, hi: int, block_size: int) -> int:
@@ -56,6 +65,7 @@ class LayerPlan:
     heads: int
     head_dim: int
     dtype: torch.dtype
+    salient_codec: Codec | None = None  # how salient tokens are stored (scheme.salient), else None
 
     @classmethod
     def build(
@@ -85,7 +95,17 @@ class LayerPlan:
         kc = codec_for(scheme.key, heads, head_dim, dtype, role="k", **ctx)
         vc = codec_for(scheme.value, heads, head_dim, dtype, role="v", **ctx)
         bs = math.lcm(block_size, kc.token_group, vc.token_group)
-        return cls(scheme, kc, vc, bs, block_size, sliding_window, heads, head_dim, dtype)
+        sc = None
+        if scheme.salient is not None:
+            if sliding_window is not None:
+                raise ValueError(
+                    f"salient={scheme.salient} is not supported on sliding-window layers (layer {layer}: "
+                    f"window {sliding_window}; they release pages a selection would need); use a model "
+                    "without sliding-window layers or drop salient="
+                )
+            sc = codec_for(scheme.salient.spec, heads, head_dim, dtype)
+            bs = math.lcm(bs, scheme.salient.group)
+        return cls(scheme, kc, vc, bs, block_size, sliding_window, heads, head_dim, dtype, sc)
 
     # ---- the storage rule
 
@@ -127,22 +147,43 @@ class LayerPlan:
 
     def fp_fields(self, dtype: torch.dtype | None = None) -> dict[str, Field]:
         f = Field(self.heads, 1, self.head_dim, dtype or self.dtype)
-        return {"k": f, "v": f}
+        out = {"k": f, "v": f}
+        if self.salient_codec is not None:  # each FP token's attention statistic, one per head
+            out["a"] = Field(self.heads, 1, 1, salient_stat_dtype(dtype or self.dtype))
+        return out
 
     def body_fields(self) -> dict[str, Field]:
-        """The body page's fields: K's and V's codec fields under one page id ("k.codes", "v.scale", ...)."""
+        """The body page's fields: K's and V's codec fields under one page id ("k.codes", "v.scale", ...),
+        and with salient=N/G the salient tokens' ("s.k.values", "s.v.values", "s.idx", ...)."""
         out = {f"k.{n}": f for n, f in self.key_codec.fields().items()}
-        return out | {f"v.{n}": f for n, f in self.value_codec.fields().items()}
+        out |= {f"v.{n}": f for n, f in self.value_codec.fields().items()}
+        return out | self.salient_fields()
+
+    def salient_fields(self, codec: Codec | None = None) -> dict[str, Field]:
+        """With salient=N/G: the salient tokens' fields in a body page, one row per G / N tokens: the salient
+        spec's K and V fields ("s.k.<name>", "s.v.<name>") and "s.idx", each row's token index in its
+        group (uint8, or int16 past 256 tokens); {} without salient=. codec: the salient codec at another
+        dtype (`page_bytes`)."""
+        sc = codec or self.salient_codec
+        if sc is None:
+            return {}
+        r = self.scheme.salient.ratio
+        rows = {n: Field(f.heads, f.tokens * r, f.cols, f.dtype) for n, f in sc.fields().items()}
+        idx = torch.uint8 if self.scheme.salient.group <= 256 else torch.int16
+        out = {f"s.k.{n}": f for n, f in rows.items()} | {f"s.v.{n}": f for n, f in rows.items()}
+        return out | {"s.idx": Field(self.heads, r, 1, idx)}
 
     def page_bytes(self, dtype: torch.dtype | None = None) -> tuple[int, int]:
         """(FP page, body page) bytes at `dtype` (default the plan's: what the pools hold)."""
         fp = sum(f.nbytes(self.fp_block_size) for f in self.fp_fields(dtype).values())
         if dtype is None or dtype == self.dtype:
-            kc, vc = self.key_codec, self.value_codec
+            kc, vc, sc = self.key_codec, self.value_codec, self.salient_codec
         else:
             kc = codec_for(self.key_codec.spec, self.heads, self.head_dim, dtype)
             vc = codec_for(self.value_codec.spec, self.heads, self.head_dim, dtype)
-        return fp, kc.bytes(self.block_size) + vc.bytes(self.block_size)
+            sc = self.salient_codec and codec_for(self.salient_codec.spec, self.heads, self.head_dim, dtype)
+        salient = sum(f.nbytes(self.block_size) for f in self.salient_fields(sc).values())
+        return fp, kc.bytes(self.block_size) + vc.bytes(self.block_size) + salient
 
     def pages_for(self, num_tokens: int) -> tuple[int, int]:
         """(FP pages, body pages) one sequence holds after num_tokens tokens, as the store holds them."""

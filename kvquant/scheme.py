@@ -15,6 +15,9 @@ A scheme string is a comma-separated list of items:
     budget=B              the per-layer allocation at B       budget=3.0,calib=FILE
                           average bits stored in calib=FILE by `experiments/allocate.py --write-calib`
                           (resolved on parsing into its layers= scheme)
+    salient=N/G[:SPEC][:RULE]  of every G tokens leaving the    salient=2/64, salient=4/64:int8-head
+                          window, the N the queries attended to most (per KV head) kept with SPEC (fp16
+                          by default) beside the body's codes; RULE attn (default) or stride (a control)
 
 Each item at most once, no empty items (a trailing or doubled comma is refused). Unquantized K/V is `fp16`
 whatever the model's dtype (`bf16`, `fp32`, `none` are refused, not read as fp16). Sizes are bounded: seeds
@@ -76,6 +79,11 @@ order (only -prerope follows them):
     -had          randomized Walsh-Hadamard rotation (kvquant's -rot) instead of the paper's dense Haar one
     -nc           norm correction: the stored norm makes the decoded vector keep the input's norm
     -seedS        seed of the rotations and the projection (default 0); -blockN: tokens per outlier choice
+
+RoPE frequency blocks (Block-GTQ style; `kvquant.codecs.ropeblocks`) are a family too: `rbqB-lfPbH` stores
+the P lowest-frequency RoPE pairs of the head dim (rotate-half layout: channels D/2-P..D/2-1 and D-P..D-1) as
+intH and the other channels as intB, each block with its own scales, then `-head` (default), `-gN` or
+`-channel-gN`, then only -prerope: `rbq2-lf8b4-channel-g64-prerope` (keys, 3.0 bits at D = 64).
 """
 
 from __future__ import annotations
@@ -638,6 +646,64 @@ class LayerSpecs:
             raise SchemeError(f"-prerope applies to keys only (layers {self.first}-{self.last})")
 
 
+SALIENT_RULES: tuple[str, ...] = ("attn", "stride")
+MAX_SALIENT_GROUP = 1 << 12  # tokens per salient group: an index within it is stored in one or two bytes
+
+
+@dataclass(frozen=True)
+class Salient:
+    """`salient=N/G[:SPEC][:RULE]`: of every G consecutive tokens that leave the window together, the N that
+    the queries attended to most (per KV head) are stored with SPEC (default `fp16`: as they came, in the
+    K/V dtype) beside the body's codes, and read instead of them (`kvquant.salient`, MiKV / ZipCache style).
+
+    rule: "attn" (the mean attention share each token received from the queries that saw it unquantized:
+        ZipCache's normalized attention) or "stride" (tokens 0, G/N, 2G/N, ... of each group: a control with
+        the same bytes and no statistics). N must divide G (pages hold N / G salient rows per token); SPEC
+        is per (token, head) (fp16, -head or -gN grains), never calibrated or pre-RoPE.
+    """
+
+    count: int
+    group: int
+    spec: QuantSpec = field(default_factory=lambda: FP16)
+    rule: str = "attn"
+
+    def __post_init__(self) -> None:
+        n, g = self.count, self.group
+        if not all(isinstance(x, int) and not isinstance(x, bool) for x in (n, g)) or not 0 < n < g:
+            raise SchemeError(f"salient={n}/{g}: write N/G with 0 < N < G (N of every G tokens kept)")
+        if g > MAX_SALIENT_GROUP or g % n:
+            raise SchemeError(
+                f"salient={n}/{g}: N must divide G and G be at most {MAX_SALIENT_GROUP} tokens (pages "
+                f"hold G/N tokens per salient row); e.g. salient=2/64"
+            )
+        if self.rule not in SALIENT_RULES:
+            raise SchemeError(f"salient rule {self.rule!r} is not one of {', '.join(SALIENT_RULES)}")
+        spec = self.spec
+        if not isinstance(spec, QuantSpec):
+            raise SchemeError(f"salient= takes a QuantSpec, not {spec!r}")
+        per_head = spec.grain is None or isinstance(spec.grain, (PerHead, ChannelGroups))
+        if (spec.prerope or spec.needs_calibration or spec.tokens_per_group != 1 or not per_head
+                or spec.turbo is not None or spec.engine is not None):
+            raise SchemeError(
+                f"salient=...:{spec}: salient tokens are chosen per head, one at a time, so their spec must "
+                "store each (token, head) alone: fp16, or a -head / -gN spec without -center, -prerope, "
+                "calibration, engine or turbo formats (e.g. salient=2/64:int8-head)"
+            )
+
+    @property
+    def ratio(self) -> int:
+        """Tokens per salient row: G / N."""
+        return self.group // self.count
+
+    def __str__(self) -> str:
+        parts = [f"{self.count}/{self.group}"]
+        if self.spec != FP16:
+            parts.append(format_spec(self.spec))
+        if self.rule != "attn":
+            parts.append(self.rule)
+        return ":".join(parts)
+
+
 @dataclass(frozen=True)
 class Scheme:
     """A K spec, a V spec, and how many first (sink) and last (window) tokens stay unquantized.
@@ -646,6 +712,7 @@ class Scheme:
         `key`/`value` are layer 0's and `for_layer(i)` gives layer i's uniform scheme (code that builds a
         layer must use it; for a uniform scheme it is the scheme itself).
     calib: path of a calibration file (`experiments/calibrate.py`) holding the codebooks of `nuqN` specs.
+    salient: saliency-aware mixed precision (`Salient`, `salient=N/G`), or None.
     """
 
     key: QuantSpec
@@ -655,6 +722,7 @@ class Scheme:
     name: str | None = field(default=None, compare=False)  # the preset it came from, for display
     layers: tuple[LayerSpecs, ...] = ()
     calib: str | None = None
+    salient: Salient | None = None
 
     def __post_init__(self) -> None:
         for what in ("sink", "window"):
@@ -692,6 +760,8 @@ class Scheme:
             object.__setattr__(self, "value", layers[0].value)
         if self.value.prerope:
             raise SchemeError("-prerope applies to keys only: write k=SPEC-prerope,v=SPEC")
+        if self.salient is not None and not isinstance(self.salient, Salient):
+            raise SchemeError(f"salient must be a Salient (salient=N/G), not {self.salient!r}")
 
     # ---- per layer
 
@@ -762,8 +832,10 @@ class Scheme:
     @property
     def tokens_per_flush(self) -> int:
         """Tokens move from the FP window to the quantized body in multiples of this (for a per-layer
-        scheme, a multiple of every layer's: use `for_layer(i).tokens_per_flush` for layer i)."""
-        return math.lcm(*(s.tokens_per_group for s in self.specs()))
+        scheme, a multiple of every layer's: use `for_layer(i).tokens_per_flush` for layer i); with
+        salient=N/G, a multiple of G (a group leaves the window whole)."""
+        groups = [s.tokens_per_group for s in self.specs()]
+        return math.lcm(*groups, self.salient.group if self.salient is not None else 1)
 
     def quantized_end(self, num_tokens: int) -> int:
         """Once num_tokens tokens have arrived, positions [min(sink, num_tokens), quantized_end) are in the
@@ -1102,6 +1174,8 @@ def format_scheme(scheme: Scheme) -> str:
         items.append(f"sink={scheme.sink}")
     if scheme.window:
         items.append(f"window={scheme.window}")
+    if scheme.salient is not None:
+        items.append(f"salient={scheme.salient}")
     if scheme.calib is not None:
         items.append(f"calib={scheme.calib}")
     return ",".join(items)
@@ -1112,7 +1186,7 @@ _SHORT_LIST = (
     "fp16", "int8", "int8-head", "int4-g64", "int2-g32", "int4-g64-rot", "fp8-e4m3",
     "k=int4-channel-g64,v=int4-g64,window=128", "nuq4-g64,calib=FILE", "kivi-4", "kivi-2",
 )
-_ITEMS = ("k=", "v=", "sink=", "window=", "layers=", "calib=")
+_ITEMS = ("k=", "v=", "sink=", "window=", "layers=", "calib=", "salient=")
 
 
 def did_you_mean(text: str) -> list[str]:
@@ -1127,7 +1201,7 @@ def _scheme_error(text: str, why: str) -> SchemeError:
     return SchemeError(
         f"bad scheme {text!r}: {why}.{hint}\nKnown schemes and presets: {', '.join(_SHORT_LIST)}, ...\n"
         "Grammar: SPEC | k=SPEC,v=SPEC | layers=A-B:SPEC[/VSPEC]+C-D:..., optionally with ,sink=N ,window=N "
-        ",calib=FILE; every form, example and preset: `python experiments/run.py --list-schemes`"
+        ",salient=N/G ,calib=FILE; every form, example and preset: `python experiments/run.py --list-schemes`"
     )
 
 
@@ -1214,6 +1288,7 @@ class _Items:
     layers: tuple[LayerSpecs, ...] | None = None
     calib: str | None = None
     budget: float | None = None
+    salient: Salient | None = None
     ints: dict[str, int] = field(default_factory=dict)  # sink=, window=
 
 
@@ -1272,6 +1347,8 @@ def _parse_item(text: str, items: _Items, item: str, original: str) -> None:
         items.layers = _parse_layers(val)
     elif name == "budget":
         items.budget = _parse_budget(text, val)
+    elif name == "salient":
+        items.salient = _parse_salient(val)
     elif name == "calib":
         items.calib = _parse_calib(text, original)
     else:
@@ -1294,6 +1371,30 @@ def _parse_budget(text: str, val: str) -> float:
     return float(val)
 
 
+_SALIENT_RE = re.compile(r"^(?P<n>\d{1,4})/(?P<g>\d{1,5})(?P<rest>(:[^:]+)*)$")
+
+
+def _parse_salient(val: str) -> Salient:
+    """`N/G[:SPEC][:RULE]` of `salient=` (`Salient`); a part after N/G is a rule name or a spec."""
+    m = _SALIENT_RE.match(val)
+    if not m:
+        raise SchemeError(
+            f"salient={val!r}: write salient=N/G[:SPEC][:RULE], e.g. salient=2/64, salient=4/64:int8-head, "
+            f"salient=2/64:stride (rules: {', '.join(SALIENT_RULES)})"
+        )
+    spec, rule = FP16, "attn"
+    parts = [p for p in m["rest"].split(":") if p]
+    for i, part in enumerate(parts):
+        if part in SALIENT_RULES and i == len(parts) - 1:
+            rule = part
+        elif i == 0 and part not in SALIENT_RULES:
+            spec = parse_spec(part)
+        else:
+            raise SchemeError(f"salient={val!r}: after N/G give at most a spec, then a rule "
+                              f"({', '.join(SALIENT_RULES)})")
+    return Salient(int(m["n"]), int(m["g"]), spec, rule)
+
+
 def _parse_calib(text: str, original: str) -> str:
     """The path of `calib=FILE`, taken from the item as written (its case and inner spaces kept)."""
     calib = original.partition("=")[2].strip()
@@ -1304,11 +1405,12 @@ def _parse_calib(text: str, original: str) -> str:
 
 def _unknown_item_error(text: str, name: str) -> SchemeError:
     """`name=` is no item of the grammar: list the valid ones and the closest."""
-    near = difflib.get_close_matches(name, ["k", "v", "sink", "window", "layers", "calib", "budget"], n=1)
+    valid = ["k", "v", "sink", "window", "layers", "calib", "budget", "salient"]
+    near = difflib.get_close_matches(name, valid, n=1)
     hint = f"; did you mean {near[0]}=?" if near else ""
     return _scheme_error(
         text,
-        f"unknown item {name!r} (valid: k=, v=, sink=, window=, layers=, calib=, budget=){hint}",
+        f"unknown item {name!r} (valid: k=, v=, sink=, window=, layers=, calib=, budget=, salient=){hint}",
     )
 
 
@@ -1316,6 +1418,9 @@ def _budget_scheme(text: str, items: _Items) -> Scheme:
     """`budget=B,calib=FILE`: no spec beside it, and the allocation read from the calibration file."""
     if items.both is not None or items.key is not None or items.value is not None or items.layers is not None:
         raise _scheme_error(text, "budget= stands for the specs: give no spec, k=, v= or layers= with it")
+    if items.salient is not None:
+        raise _scheme_error(text, "budget= is the stored allocation as measured (without salient=); give "
+                                  "its layers= scheme with salient= instead")
     if items.calib is None:
         raise _scheme_error(
             text, "budget= is resolved through a calibration file: add calib=FILE (written by "
@@ -1341,7 +1446,7 @@ def _build_scheme(text: str, items: _Items) -> Scheme:
     try:
         scheme = Scheme(
             key, value, items.ints.get("sink", 0), items.ints.get("window", 0), layers=layers or (),
-            calib=items.calib,
+            calib=items.calib, salient=items.salient,
         )
     except SchemeError as e:
         raise _scheme_error(text, str(e)) from None

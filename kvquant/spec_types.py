@@ -229,6 +229,14 @@ def grain_of(granularity: Granularity, group_size: int | None) -> Grain:
 SPEC_FAMILIES: dict[str, type] = {}
 
 
+def _match_or_refuse(pattern: re.Pattern, text: str, usage: str) -> re.Match:
+    """A family's own grammar: the match of `text`, or SchemeError saying how to write it."""
+    m = pattern.match(text)
+    if not m:
+        raise SchemeError(usage)
+    return m
+
+
 def spec_family(prefix: str) -> Callable[[type], type]:
     """Class decorator: strings starting with `prefix` are specs of this family (`turbo`: TurboSpec). The
     class gives parse(text) (raising SchemeError with what is valid), name(), bits and
@@ -474,12 +482,10 @@ class TurboSpec:
 
     @classmethod
     def parse(cls, text: str) -> TurboSpec:
-        m = _TURBO_RE.match(text)
-        if not m:
-            raise SchemeError(
-                "write turbo<bits>[.25|.5|.75][-qjl][-had][-nc][-seedS][-blockN] "
-                "(options in this order), e.g. turbo3, turbo3.5, turbo2.5-qjl, turbo3-had-nc"
-            )
+        m = _match_or_refuse(
+            _TURBO_RE, text, "write turbo<bits>[.25|.5|.75][-qjl][-had][-nc][-seedS][-blockN] "
+            "(options in this order), e.g. turbo3, turbo3.5, turbo2.5-qjl, turbo3-had-nc",
+        )
         frac = {None: 0, "25": 1, "5": 2, "75": 3}[m["frac"]]
         return cls(
             int(m["bits"]), frac, bool(m["qjl"]), "hadamard" if m["had"] else "dense", bool(m["nc"]),
@@ -498,7 +504,93 @@ class TurboSpec:
         return "-".join(parts)
 
 
-Family = Dense | UniformInt | Codebook | FP8 | EngineFormat | VLLMCacheDtype | TurboSpec
+_RBQ_RE = re.compile(
+    r"^rbq(?P<bits>\d)-lf(?P<pairs>\d{1,4})b(?P<high>\d)(?:-(?P<grain>head|g\d{1,5}|channel-g\d{1,7}))?$"
+)
+RBQ_BITS = (8, 4, 2)
+
+
+@spec_family("rbq")
+@dataclass(frozen=True)
+class RopeBlocks:
+    """`rbqB-lfPbH[-head | -gN | -channel-gN]`: RoPE frequency blocks of the head dimension at different
+    bits (Block-GTQ style; `kvquant.codecs.ropeblocks`): uniform asymmetric integer codes (int8: symmetric)
+    at B bits, except the P lowest-frequency RoPE pairs at H bits. In the rotate-half layout (Llama, Gemma,
+    Mistral, SmolLM2: channel c and c + D/2 share the frequency base^(-2c/D)), those are channels
+    D/2 - P .. D/2 - 1 and D - P .. D - 1. Each block has its own scales with the grain (default per token
+    and head, `-head`). Meant for keys, usually `-prerope` (the channels' frequencies are RoPE's; a rotation
+    would mix them, so no -rot / -crot).
+
+        rbq2-lf8b4-channel-g64-prerope   48 of 64 channels at 2 bits, the 16 lowest-frequency at 4: 2.5 code
+                                         bits (+ 0.5 of channel-wise scales at FP16) = 3.0 bits
+    """
+
+    bits: int
+    pairs: int
+    high_bits: int
+    grain: PerHead | ChannelGroups | TokenGroups = PerHead()
+    symmetric: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.bits not in RBQ_BITS or self.high_bits not in RBQ_BITS:
+            raise SchemeError(
+                f"rbq bits are one of {RBQ_BITS} (int codes), got {self.bits} and {self.high_bits}"
+            )
+        if self.high_bits == self.bits:
+            raise SchemeError(
+                f"rbq{self.bits}-lf{self.pairs}b{self.high_bits}: both blocks at the same bits is "
+                f"int{self.bits}; give the low-frequency block other bits"
+            )
+        if not isinstance(self.grain, (PerHead, ChannelGroups, TokenGroups)):
+            raise SchemeError(f"rbq grain is -head, -gN or -channel-gN, not {self.grain!r}")
+
+    @property
+    def token_group(self) -> int:
+        return self.grain.tokens
+
+    def blocks(self, head_dim: int) -> tuple[list[int], list[int]]:
+        """(channels at `bits`, channels at `high_bits`): the P lowest-frequency pairs in the rotate-half
+        layout are the last P of each half."""
+        half = head_dim // 2
+        high = [*range(half - self.pairs, half), *range(head_dim - self.pairs, head_dim)]
+        return [c for c in range(head_dim) if c not in set(high)], high
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim % 2 or not 0 < self.pairs < head_dim // 2:
+            raise SchemeError(
+                f"rbq -lf{self.pairs}: a head_dim of {head_dim} has {head_dim // 2} RoPE pairs; the "
+                f"low-frequency block takes 1 to {head_dim // 2 - 1} of them"
+            )
+        for n, bits in ((head_dim - 2 * self.pairs, self.bits), (2 * self.pairs, self.high_bits)):
+            if isinstance(self.grain, ChannelGroups) and n % self.grain.channels:
+                raise SchemeError(
+                    f"rbq -g{self.grain.channels}: a channel group must lie inside each block, but a block "
+                    f"has {n} channels ({head_dim} split by -lf{self.pairs}); use -head or a divisor of both"
+                )
+            _check_packing(bits, n)
+
+    @classmethod
+    def parse(cls, text: str) -> RopeBlocks:
+        m = _match_or_refuse(
+            _RBQ_RE, text, "write rbq<bits>-lf<pairs>b<bits>[-head|-gN|-channel-gN], e.g. "
+            "rbq2-lf8b4-channel-g64: P lowest-frequency RoPE pairs at the second number of bits, the rest at "
+            "the first",
+        )
+        g = m["grain"] or "head"
+        grain = PerHead() if g == "head" else (
+            TokenGroups(int(g[len("channel-g"):])) if g.startswith("channel") else ChannelGroups(int(g[1:])))
+        if isinstance(grain, (TokenGroups, ChannelGroups)) and not 1 <= grain.group_size <= MAX_TOKENS:
+            raise SchemeError(f"rbq -{g}: a group of 1..{MAX_TOKENS:,}")
+        return cls(int(m["bits"]), int(m["pairs"]), int(m["high"]), grain)
+
+    def name(self) -> str:
+        return str(self)
+
+    def __str__(self) -> str:
+        return f"rbq{self.bits}-lf{self.pairs}b{self.high_bits}-{self.grain.option()}"
+
+
+Family = Dense | UniformInt | Codebook | FP8 | EngineFormat | VLLMCacheDtype | TurboSpec | RopeBlocks
 
 
 def family_bits(family: Family) -> int:

@@ -179,3 +179,39 @@ def test_budget_item_resolves_through_the_calibration_file(tmp_path):
     assert parse_scheme(f"budget=2.5,calib={path}") == crot
     with pytest.raises(CalibrationError, match="lacks 6 tables.*codebook/0/k/nuq3-g32"):
         store_allocation(path, 2.0, parse_scheme(f"nuq3-g32,calib={path}"))
+
+
+def test_rounds_measure_again_around_each_choice_and_keep_the_best_measured(tmp_path, monkeypatch):
+    """Round 2 is measured around round 1's choice (its own file, that operating point in its setup) and its
+    KL(around) is round 1's measured KL, not measured again; rounds stop when a choice repeats; the result
+    rows carry the around recipe first; a rerun with one candidate more measures that candidate's forwards
+    only."""
+    import json
+
+    model = make_tiny_model(seed=2)
+    g = torch.Generator().manual_seed(3)
+    ids = [torch.randint(1, 5000, (1, 48), generator=g) for _ in range(2)]
+    around = parse_scheme("k=int2-channel-g16,v=int2-g16")
+    kc, vc = ["int8", "int4-channel-g16", "int2-channel-g16"], ["int4-g16", "int2-g16"]
+    setup = {"around": str(around), "key_candidates": kc, "value_candidates": vc, "documents": ["x"]}
+    calls = []
+    real = A.scheme_kl
+    monkeypatch.setattr(A, "scheme_kl", lambda *a, **k: calls.append(str(a[3])) or real(*a, **k))
+    bits = memory.effective_bits(model.config, around) + 2  # room to upgrade: round 1 moves
+    steps = A._rounds(model, ids, setup, tmp_path, kc, vc, Scheme(FP16, FP16), around, 1, 3, bits, 2)
+    assert str(steps[0].scheme) == str(around) and steps[0].measured == steps[0].base_kl
+    assert steps[1].around == around and str(steps[1].scheme) != str(around)
+    assert len(steps) == 3 and steps[2].around == steps[1].scheme and steps[2].base_kl == steps[1].measured
+    assert str(steps[2].scheme) == str(steps[1].scheme)  # measured around it, the choice stays: converged
+    assert calls.count(str(steps[1].scheme)) == 1
+    saved = json.loads((tmp_path / "sensitivity_round2.json").read_text())
+    assert saved["setup"]["around"] == str(steps[1].scheme)
+    for st in steps[1:]:
+        assert st.predicted == pytest.approx(st.base_kl + A.predicted_kl(st.sens, st.scheme, 2, joint=True))
+        assert memory.effective_bits(model.config, st.scheme) <= bits + 1e-9
+    calls.clear()
+    more = [*vc, "int8"]
+    A._rounds(model, ids, {**setup, "value_candidates": more}, tmp_path, kc, more, Scheme(FP16, FP16), around,
+              1, 1, bits, 2)
+    switched = [c for c in calls if c != str(around)]
+    assert len(switched) <= 3 and all("int8" in c for c in switched[:2]), calls  # 2 groups + the choice

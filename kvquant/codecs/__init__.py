@@ -6,6 +6,7 @@
     transforms    -center, -rot (Hadamard), -out wrappers around a base codec
     calibrot      -crot: the calibrated orthogonal rotation, fitted per layer
     turbo         TurboQuant (rotation + Lloyd-Max levels + stored norm)
+    ropeblocks    rbqB-lfPbH: RoPE frequency blocks of the head dim at different bits (Block-GTQ style)
     engine        llama.cpp block formats, MXFP4, NVFP4, bit-exact with ggml
     engine_vllm   vLLM's --kv-cache-dtype formats and TurboQuant presets
     packing       bit packing of codes into bytes
@@ -18,4 +19,4 @@ module plus its line here.
 """
 
 # the registry: base (fp16, nuqN), quantize (intN) and each family module register their codecs on import
-from . import base, calibrot, engine, engine_vllm, fp8, quantize, transforms, turbo  # noqa: F401
+from . import base, calibrot, engine, engine_vllm, fp8, quantize, ropeblocks, transforms, turbo  # noqa: F401

@@ -75,6 +75,16 @@ class LayerTables:
         """FP K/V (B, H, n, D) of window positions [position, position + n)."""
         self.recent_t.write(position - self.sink, {"k": k, "v": v})
 
+    def write_window_fields(self, position: int, values: Mapping[str, torch.Tensor]) -> None:
+        """Some fields {name: (B, H, n, cols)} of window positions [position, position + n) (copy-on-write):
+        a salient layer's statistics (`kvquant.salient`)."""
+        self.recent_t.write(position - self.sink, values)
+
+    def write_body_fields(self, start: int, values: Mapping[str, torch.Tensor]) -> None:
+        """Some fields of body tokens [start, ...) already encoded (copy-on-write), as `PagePool.write` takes
+        them: a salient layer's salient rows, written once its forward's queries are counted."""
+        self.body_t.write(start, values)
+
     def read_window(self, position: int, n: int) -> Mapping[str, torch.Tensor]:
         """{"k", "v"} (B, H, n, D) of window positions [position, position + n) (a copy)."""
         return self.recent_t.gather(position - self.sink, n)
