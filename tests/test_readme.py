@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.util
 import re
 import socket
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -113,6 +114,22 @@ def test_result_files_the_readme_cites_are_in_the_repository():
     assert sum(len(c) for c in cited.values()) >= 20, cited
     missing = [f"{_rel(page)}: {c}" for page, cs in cited.items() for c in cs if not (ROOT / c).is_file()]
     assert not missing, f"cited files that are not in the checkout: {missing}"
+    tracked = _tracked_files()
+    if tracked is not None:  # a working tree: a cited result that is on disk but ignored fails CI's fresh clone
+        untracked = [f"{_rel(page)}: {c}" for page, cs in cited.items() for c in cs if c not in tracked]
+        assert not untracked, f"cited files git does not track (add them with `git add -f`): {untracked}"
+
+
+def _tracked_files() -> set[str] | None:
+    """Paths git tracks or has staged in this checkout (relative, '/'-separated); None outside a git checkout
+    or without git."""
+    if not (ROOT / ".git").exists():
+        return None
+    try:
+        out = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-z"], capture_output=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return set(out.stdout.decode().split("\0")) - {""}
 
 
 def test_every_measured_table_in_results_md_names_its_file():
