@@ -180,6 +180,7 @@ def test_relative_links_reach_a_file_and_a_heading(page):
     """Every relative link of README.md and docs/*.md points to a file of the checkout, and its #anchor (if
     any) to a heading of the page it names."""
     broken = []
+    tracked = _tracked_files()  # None outside a git checkout
     for target in links(page.read_text(encoding="utf-8")):
         if re.match(r"^[a-z][a-z0-9+.-]*:", target):  # https:, mailto: ...: not ours to check offline
             continue
@@ -188,6 +189,10 @@ def test_relative_links_reach_a_file_and_a_heading(page):
         if not file.exists():
             shown = file.relative_to(ROOT) if file.is_relative_to(ROOT) else file
             broken.append(f"{target} (no file {shown})")
+        elif tracked is not None and file.is_relative_to(ROOT) and file.is_file() and (
+            file.relative_to(ROOT).as_posix() not in tracked
+        ):
+            broken.append(f"{target} (git does not track {_rel(file)}: a fresh clone lacks it; `git add -f`)")
         elif anchor and file.suffix == ".md" and anchor not in anchors(file.read_text(encoding="utf-8")):
             broken.append(f"{target} (no heading #{anchor} in {_rel(file)})")
     assert not broken, f"{_rel(page)} links to what is not there: {broken}"
