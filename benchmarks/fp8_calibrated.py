@@ -2,6 +2,7 @@
 
     python benchmarks/fp8_calibrated.py                      # default model, 4 + 6 documents of 1,024 tokens
     python benchmarks/fp8_calibrated.py --eval-docs 12 --length 2048
+    python benchmarks/fp8_calibrated.py --model gemma-3-270m --out results/fp8_calibrated_gemma
 
 Scales: kvquant.export (llm-compressor's min-max observer, max|x| / 448 per layer) on calibration articles;
 evaluated on other articles (disjoint titles). Each configuration stores every layer's K and V through
@@ -63,7 +64,9 @@ def _parse_args() -> argparse.Namespace:
     p.add_argument("--calib-docs", type=int, default=4)
     p.add_argument("--eval-docs", type=int, default=6)
     p.add_argument("--length", type=int, default=1024)
-    p.add_argument("--out", default=str(RESULTS / "fp8_calibrated"))
+    p.add_argument("--model", default=None,
+                   help="a known model's name (gemma-3-270m), a local folder or .gguf (default: SmolLM2)")
+    p.add_argument("--out", default=str(RESULTS / "fp8_calibrated"), help="output stem: OUT.md and OUT.csv")
     return p.parse_args()
 
 
@@ -128,12 +131,14 @@ def _table_lines(rows: list[dict], counts_by: dict[str, dict]) -> list[str]:
     return lines
 
 
-def _intro_lines(n_eval: int, n_calib: int, length: int, tokens: int, scales_text: str) -> list[str]:
-    """The markdown's title and the paragraph on the setup (documents, tokens, mode, scales)."""
+def _intro_lines(
+    model: str, n_eval: int, n_calib: int, length: int, tokens: int, scales_text: str
+) -> list[str]:
+    """The markdown's title and the paragraph on the setup (model, documents, tokens, mode, scales)."""
     return [
-        "# vLLM FP8 (E4M3) KV cache: calibrated k_scale / v_scale vs scale 1.0",
+        f"# vLLM FP8 (E4M3) KV cache: calibrated k_scale / v_scale vs scale 1.0 ({model})",
         "",
-        f"Default model (SmolLM2-135M-Instruct, fp32 on CPU), {n_eval} held-out Wikipedia articles "
+        f"{model} (fp32 on CPU), {n_eval} held-out Wikipedia articles "
         f"x {length} tokens ({tokens} scored tokens); scales from {n_calib} other "
         f"articles x {length} tokens (`kvquant.export`, llm-compressor's min-max observer). Mode: every "
         "layer's K/V through vLLM's per-tensor write (x / s, saturating E4M3) before attention (equal to the "
@@ -187,7 +192,8 @@ def main() -> None:
 
     t0 = time.perf_counter()
     load0 = os.getloadavg()
-    model, tok = load_model(None)
+    model, tok = load_model(args.model)
+    name = args.model or "SmolLM2-135M-Instruct, the default model"
     calib = calibration_documents(tok, "wikipedia", args.calib_docs, args.length, seed=0)
     evald = calibration_documents(tok, "wikipedia", args.eval_docs, args.length, seed=1,
                                   exclude_titles=calib.titles)
@@ -204,7 +210,7 @@ def main() -> None:
     out = Path(args.out)
     _write_csv(out, rows)
     lines = (
-        _intro_lines(len(evald.ids), len(calib.ids), args.length, rows[0]["tokens"], describe(scales))
+        _intro_lines(name, len(evald.ids), len(calib.ids), args.length, rows[0]["tokens"], describe(scales))
         + _table_lines(rows, counts_by)
         + _notes_lines(wall, load0, load1, k_amax, v_amax, scales.num_layers)
     )

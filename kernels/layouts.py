@@ -321,8 +321,8 @@ def rope_table(rope, n: int, device, registry=None, dtype=torch.float32) -> torc
 def describe_unserved(codec, device) -> str | None:
     """This module's view of a codec: the log line when the decode kernel does not read it, or reads it but
     the affine append kernel does not pack it; None when both do. The quantize+pack kernels
-    (`kvquant.kernels.pack_layouts`) pack more (codebooks, FP8, GGUF blocks): `kvquant.backend.kernel_fallback`
-    combines both views into the line the cache logs."""
+    (`kvquant.kernels.pack_layouts`) pack more (codebooks, FP8, GGUF blocks):
+    `kvquant.backend.kernel_fallback` combines both views into the line the cache logs."""
     frame = decode_frame(codec, device)
     if frame is None:
         return (f"{codec.spec}: no Triton kernel reads this codec yet; the PyTorch reference path serves its "

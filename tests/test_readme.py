@@ -115,7 +115,7 @@ def test_result_files_the_readme_cites_are_in_the_repository():
     missing = [f"{_rel(page)}: {c}" for page, cs in cited.items() for c in cs if not (ROOT / c).is_file()]
     assert not missing, f"cited files that are not in the checkout: {missing}"
     tracked = _tracked_files()
-    if tracked is not None:  # a working tree: a cited result that is on disk but ignored fails CI's fresh clone
+    if tracked is not None:  # a result on disk but ignored here is missing from CI's fresh clone
         untracked = [f"{_rel(page)}: {c}" for page, cs in cited.items() for c in cs if c not in tracked]
         assert not untracked, f"cited files git does not track (add them with `git add -f`): {untracked}"
 
