@@ -193,7 +193,7 @@ def main() -> None:
     t0 = time.perf_counter()
     load0 = os.getloadavg()
     model, tok = load_model(args.model)
-    name = args.model or "SmolLM2-135M-Instruct, the default model"
+    model_name = args.model or "SmolLM2-135M-Instruct, the default model"
     calib = calibration_documents(tok, "wikipedia", args.calib_docs, args.length, seed=0)
     evald = calibration_documents(tok, "wikipedia", args.eval_docs, args.length, seed=1,
                                   exclude_titles=calib.titles)
@@ -210,7 +210,9 @@ def main() -> None:
     out = Path(args.out)
     _write_csv(out, rows)
     lines = (
-        _intro_lines(name, len(evald.ids), len(calib.ids), args.length, rows[0]["tokens"], describe(scales))
+        _intro_lines(
+            model_name, len(evald.ids), len(calib.ids), args.length, rows[0]["tokens"], describe(scales)
+        )
         + _table_lines(rows, counts_by)
         + _notes_lines(wall, load0, load1, k_amax, v_amax, scales.num_layers)
     )
