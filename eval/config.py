@@ -567,8 +567,8 @@ def _shape_facts(cfg: dict) -> dict:
 
 
 def _gguf_facts(path: Path) -> ModelFacts:
-    """Read GGUF key/values until the architecture's context length and block count (and, when the header has
-    them before its end, the attention shape) are known."""
+    """Read GGUF key/values until the architecture's context length, block count and attention shape are
+    known and its block of `<arch>.` keys has ended (its sliding window may come after the shape)."""
     import struct
 
     def read(f, fmt):
@@ -602,16 +602,18 @@ def _gguf_facts(path: Path) -> ModelFacts:
             return ModelFacts()
         read(f, "<I")  # version
         read(f, "<Q")  # tensors
+        known = False  # the architecture's length, depth and attention shape read: stop after its block
         for _ in range(read(f, "<Q")):
             key = string(f).decode("utf-8", "replace")
-            found[key] = value(f, read(f, "<I"))
             arch = found.get("general.architecture")
-            if isinstance(arch, bytes):
+            if known and not key.startswith(f"{arch.decode()}."):  # (the tokenizer's arrays follow)
+                break
+            found[key] = value(f, read(f, "<I"))
+            if isinstance(arch, bytes) and not known:
                 arch = arch.decode()
                 pos, layers = found.get(f"{arch}.context_length"), found.get(f"{arch}.block_count")
                 shape = (f"{arch}.attention.head_count_kv", f"{arch}.attention.key_length")
-                if pos is not None and layers is not None and all(k in found for k in shape):
-                    break
+                known = pos is not None and layers is not None and all(k in found for k in shape)
     arch = found.get("general.architecture")
     if not isinstance(arch, bytes):
         return ModelFacts()
@@ -626,12 +628,29 @@ def _gguf_facts(path: Path) -> ModelFacts:
         head_dim = width // heads
     kv = found.get(att + "head_count_kv", heads)
     window = found.get(att + "sliding_window")
+    window = int(window) if _is_int(window) and window > 0 else None
     return ModelFacts(
         int(pos), int(layers), f"from {path.name}",
         head_dim=int(head_dim) if _is_int(head_dim) else None,
         kv_heads=int(kv) if _is_int(kv) else None,
-        sliding_window=int(window) if _is_int(window) and window > 0 else None,
+        sliding_window=window,
+        sliding_layers=_gguf_sliding_layers(arch, int(layers), window) if window else None,
     )
+
+
+def _gguf_sliding_layers(arch: str, layers: int, window: int) -> tuple[int, ...] | None:
+    """Which layers of a GGUF model slide: a GGUF header gives the window, not the pattern, and transformers'
+    GGUF loader builds the model's config class (`<arch>_text`, else `<arch>`: Gemma-3's 5 sliding : 1 full)
+    with its default `layer_types`, so that class's defaults are the model kvquant runs. None when
+    transformers has no config class for the architecture (this imports transformers, and so torch)."""
+    from transformers import CONFIG_MAPPING
+
+    for model_type in (f"{arch}_text", arch):
+        if model_type in CONFIG_MAPPING:
+            cfg = CONFIG_MAPPING[model_type](num_hidden_layers=layers, sliding_window=window).to_dict()
+            windows = quirks.layer_windows(cfg)
+            return None if windows is None else tuple(i for i, w in enumerate(windows) if w is not None)
+    return None
 
 
 def resolve_schemes(names) -> list:

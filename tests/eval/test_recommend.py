@@ -69,6 +69,38 @@ def test_sliding_model_gets_the_sliding_skip_variant():
     assert sliding[0].deploy.endswith("--kv-cache-dtype-skip-layers sliding_window")
 
 
+def test_a_gguf_header_gives_the_sliding_layers_of_its_architecture(tmp_path):
+    """A GGUF names the window, not which layers slide: the architecture's transformers config class says
+    (Gemma-3: every sixth layer attends fully), read after the shape keys, so the sliding skip variant is
+    offered for a GGUF model too. A header without a window has no sliding layers."""
+    import gguf
+    from kvquant.eval.config import _gguf_facts
+
+    def write(name: str, arch: str, **extra) -> Path:
+        path = tmp_path / name
+        w = gguf.GGUFWriter(str(path), arch)
+        w.add_context_length(32768)
+        w.add_block_count(12)
+        w.add_head_count(4)
+        w.add_head_count_kv(1)
+        w.add_key_length(256)
+        if "window" in extra:  # after the shape, as the real Gemma-3 GGUFs have it
+            w.add_sliding_window(extra["window"])
+        w.add_string("tokenizer.ggml.model", "llama")
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.close()
+        return path
+
+    facts = _gguf_facts(write("g.gguf", "gemma3", window=512))
+    assert (facts.layers, facts.head_dim, facts.kv_heads, facts.sliding_window) == (12, 256, 1, 512)
+    assert facts.sliding_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
+    plan = candidates_for("vllm", facts=facts)
+    assert any(c.label == "fp8 skip sliding_window" for c in plan.candidates)
+    plain = _gguf_facts(write("l.gguf", "llama"))
+    assert (plain.layers, plain.sliding_window, plain.sliding_layers) == (12, None, None)
+
+
 def test_recommend_vllm_end_to_end_and_resume(tiny4_dir, tiny_corpus, tmp_path):
     """Every vLLM candidate in both modes; --export writes calibrated FP8 scales from documents the run does
     not evaluate and scores `fp8 (calibrated)` with exactly that file; a rerun resumes and reuses the file."""
