@@ -56,8 +56,10 @@ ROW_SUMS = ("nll_sum", "ref_nll_sum", "tokens", "kl_sum", "top1", "dp_sum", "dp_
 #                   before minus after; CPU: resident set size, after gc + malloc_trim, before minus after)
 #   mem_peak        measured on the device: the highest of the document's forwards through this cache, above
 #                   where that forward started (CUDA: max_memory_allocated, reset per forward; CPU: VmHWM)
-# `mem_probe` (a string) says how they were read. Measured values differ between two runs of one point.
-MEMORY_FIELDS = ("cache_reserved", "mem_held", "mem_peak", "mem_probe")
+# `mem_probe` (a string) says how they were read; `nbytes_by_device` ({device: bytes of the pages there}) is
+# recorded with them. Measured values differ between two runs of one point, and so can whether a document's
+# memory was recorded at all (it is dropped when its forwards cannot be attributed to the caches).
+MEMORY_FIELDS = ("cache_reserved", "mem_held", "mem_peak", "mem_probe", "nbytes_by_device")
 
 Totals = Mapping[str, float]  # ROW_SUMS summed over the documents of a bucket
 Tokens = Mapping[str, "object"]  # per-token numpy arrays (measure.TOKEN_FIELDS), pooled over documents
