@@ -59,7 +59,7 @@ class LayerView:
     fresh_start: int = 0
     kernel_registry: object | None = None  # KernelRegistry when LayerPaths.attend (kvquant.backend)
     plan: LayerPlan | None = None  # the layer's storage rule (which keys a query of a chunk saw quantized)
-    salient: object | None = None  # kvquant.salient.SalientLayer of a salient=N/G layer (attention calls it)
+    salient: object | None = None  # kvquant.salient.SalientState of a salient=N/G layer (attention calls it)
 
     # An attention implementation other than kvquant's gets a LayerView where it expects a tensor; when
     # the cache had no config to check up front, fail with what to do rather than a bare TypeError.
