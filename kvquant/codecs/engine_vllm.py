@@ -128,6 +128,7 @@ from ..scheme import QuantSpec, SchemeError, parse_scheme
 from ..spec_types import VLLMCacheDtype
 from .base import Codec, Field, register
 from .packing import pack, unpack
+from .transforms import wht_stages
 
 __all__ = [
     "INT4_PER_TOKEN_HEAD",
@@ -317,13 +318,7 @@ def sylvester_wht(x: torch.Tensor) -> torch.Tensor:
     d = x.shape[-1]
     if d & (d - 1):
         raise SchemeError(f"vLLM's Hadamard transform needs a power-of-two head_dim, got {d}")
-    h = 1
-    while h < d:
-        v = x.reshape(*x.shape[:-1], d // (2 * h), 2, h)
-        a, b = v[..., 0, :], v[..., 1, :]
-        x = torch.stack((a + b, a - b), dim=-2).reshape(*x.shape[:-1], d)
-        h *= 2
-    return x
+    return wht_stages(x, d)
 
 
 def int4_rht(x: torch.Tensor, inverse: bool = False) -> torch.Tensor:

@@ -128,17 +128,25 @@ def _hadamard(
     return _butterflies(x, n, grad) if s_out is None else _butterflies(x, n, grad) * s_out.to(x.device)
 
 
+def wht_stages(x: torch.Tensor, n: int) -> torch.Tensor:
+    """The unnormalized Walsh-Hadamard transform in blocks of n channels (H H = n I), differentiable: stage
+    h = 1, 2, 4, ... turns the channel pairs (i, i + h) of each run of 2h into (a + b, a - b), in that order
+    (the fp32 sums of vLLM's `fast_hadamard_transform` butterfly too: `engine_vllm.sylvester_wht`)."""
+    lead, d = x.shape[:-1], x.shape[-1]
+    h = 1
+    while h < n:
+        y = x.reshape(*lead, d // (2 * h), 2, h)
+        x = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2)
+        h *= 2
+    return x.reshape(*lead, d)
+
+
 def _butterflies(x: torch.Tensor, n: int, grad: bool) -> torch.Tensor:
-    """The PyTorch FWHT: stage h = 1, 2, 4, ... writes (a + b, a - b) for the channel pairs (i, i + h) of
-    each run of 2h, into two buffers in turn (`grad`: stacked instead, differentiable); then / sqrt(n)."""
+    """The PyTorch FWHT: `wht_stages`' butterflies, written into two buffers in turn (`grad`: `wht_stages`
+    itself, differentiable); then / sqrt(n)."""
     lead, d = x.shape[:-1], x.shape[-1]
     if grad:  # out= below does not record a gradient
-        h = 1
-        while h < n:
-            y = x.reshape(*lead, d // (2 * h), 2, h)
-            x = torch.stack((y[..., 0, :] + y[..., 1, :], y[..., 0, :] - y[..., 1, :]), dim=-2)
-            h *= 2
-        return x.reshape(*lead, d) * (1.0 / math.sqrt(n))
+        return wht_stages(x, n) * (1.0 / math.sqrt(n))
     src = x.reshape(-1, d)  # (N, D)
     bufs = (torch.empty_like(src), torch.empty_like(src)) if n > 1 else ()
     h, turn = 1, 0
