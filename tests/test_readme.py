@@ -11,6 +11,7 @@ docs/schemes.md is what docs/generate.py writes from the code's own help now."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import socket
@@ -120,6 +121,7 @@ def test_result_files_the_readme_cites_are_in_the_repository():
         assert not untracked, f"cited files git does not track (add them with `git add -f`): {untracked}"
 
 
+@functools.cache
 def _tracked_files() -> set[str] | None:
     """Paths git tracks or has staged in this checkout (relative, '/'-separated); None outside a git checkout
     or without git."""
