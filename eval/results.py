@@ -1064,9 +1064,20 @@ class PlotInfo:
         return f"{self.model} · {self.corpus} · {docs} × {self.max_length:,} tokens · {self.dtype}"
 
     def name(self, label: str) -> str:
+        """What a legend or tick shows for `label`: its display name, shortened in the middle past
+        `PLOT_LABEL_CHARS` (a per-layer scheme spelled layer by layer would squeeze the axes to a sliver);
+        tables and CSVs keep the whole name."""
         if label in self.names:
-            return self.names[label]
-        return "fp16 (reference)" if label == "fp16" else label
+            full = self.names[label]
+        else:
+            full = "fp16 (reference)" if label == "fp16" else label
+        if len(full) <= PLOT_LABEL_CHARS:
+            return full
+        tail = PLOT_LABEL_CHARS // 3
+        return f"{full[: PLOT_LABEL_CHARS - tail - 1]}…{full[-tail:]}"
+
+
+PLOT_LABEL_CHARS = 64  # longest scheme name a plot shows whole
 
 
 def position_label(n: float) -> str:

@@ -375,6 +375,17 @@ def test_drift_plot_names_its_reference():
     assert "FP16" not in fig._suptitle.get_text()
 
 
+def test_a_long_scheme_name_is_shortened_in_plots_only():
+    """recommend's `fp8 skip sliding_window` on Gemma spells 18 layers (~190 characters): whole in the
+    legend, it left the axes a sliver; the plot shows its head and tail, the names mapping keeps it whole."""
+    long = "layers=" + "+".join(f"{i}:{'vllm:fp8_e4m3' if i % 6 == 5 else 'fp16'}" for i in range(18))
+    short = INFO.name(long)
+    assert len(short) == res.PLOT_LABEL_CHARS and short.startswith("layers=0:fp16+1:fp16")
+    assert short.endswith("17:vllm:fp8_e4m3") and "…" in short
+    assert INFO.name("k=int4-channel-g64-rot,v=int4-g64-rot,sink=4,window=128").endswith("window=128")
+    assert INFO.name("k=int2-channel-g32,v=int2-g32,window=128") == "kivi-2"
+
+
 def test_bytes_plot_stands_alone():
     import matplotlib
 
