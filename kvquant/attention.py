@@ -116,25 +116,29 @@ def reference_attention(
     masks = _Masks(query, view, attention_mask)
     if q <= _DIRECT_QUERIES and masks.ends is None and body_patch is None:  # decoding: keys read as stored
         return _two_pass(query, view, masks, scale, work, stream_tokens)
-    state = _Merge(b, hq, q, d, work, query.device)
+    g = hq // hkv
+    # (B, H_kv, q, g, D): a KV head's query heads side by side for each query row, so a tile of rows is one
+    # contiguous (B, H_kv, r * g, D) block that torch's attention takes against unexpanded K/V
+    state = _Merge((b, hkv, q, g, d), work, query.device)
     tiled = q > _DIRECT_QUERIES
-    rotated: dict[int, torch.Tensor] = {}  # the query in each key frame, rotated once per call
+    framed: dict[int, torch.Tensor] = {}  # the query in each key frame, rotated (and laid out) once per call
     for seg in _segments(view, masks, work, stream_tokens, body_patch):
-        qs = query
-        if seg.key_frame is not None:
-            f = seg.key_frame
-            if id(f.signs) not in rotated:
-                rotated[id(f.signs)] = f.into(query.to(work))
-            qs = rotated[id(f.signs)]
-        back = seg.value_frame.out_of if seg.value_frame is not None else None
+        f = seg.key_frame
+        key = id(f.signs) if f is not None else None
+        if key not in framed:
+            qs = f.into(query.to(work)) if f is not None else query
+            framed[key] = qs.view(b, hkv, g, q, d).transpose(2, 3).contiguous() if tiled else qs
+        qs = framed[key]
         if tiled:
-            _tiles(qs, seg, masks, scale, state, back)
+            _tiles(qs, seg, masks, scale, state)
         else:
             visible, mask = masks.tile(slice(0, q), seg.col, seg.key.shape[2], seg.fresh)
             if visible:
-                out, lse = _direct(qs, seg, mask, scale, work)
-                state.add(back(out) if back is not None else out, lse)
-    return state.result().transpose(1, 2).contiguous().to(query.dtype)  # (B, q, H_q, D)
+                out, lse = _direct(qs, seg, mask, scale, work)  # (B, H_q, q, D), (B, H_q, q)
+                out = out.view(b, hkv, g, q, d).transpose(2, 3)
+                state.add(out, lse.view(b, hkv, g, q).transpose(2, 3), frame=seg.value_frame)
+    out = state.result().permute(0, 2, 1, 3, 4).reshape(b, q, hq, d)  # (B, q, H_q, D)
+    return out.to(query.dtype)
 
 
 def _two_pass(
@@ -212,24 +216,44 @@ _MIXED_TILE = 64  # query rows per tile where a chunk's queries read fresh keys 
 
 
 class _Merge:
-    """Partial attention outputs over disjoint key sets, combined by their log-sum-exp (flash-decoding)."""
+    """Partial attention outputs over disjoint key sets, combined by their log-sum-exp (flash-decoding).
 
-    def __init__(self, b: int, hq: int, q: int, d: int, dtype: torch.dtype, device: torch.device):
-        self.out = torch.zeros((b, hq, q, d), dtype=dtype, device=device)  # normalized so far
-        self.lse = torch.full((b, hq, q), float("-inf"), dtype=dtype, device=device)
+    Outputs of values stored in a frame (R v, `-rot`) are summed in that frame, in an accumulator of their
+    own that every merge weight scales as it scales the plain one, and taken out of it once, at the end:
+    R^T is linear, so sum_i w_i R^T o_i = R^T sum_i w_i o_i, and the layer pays one transform per query
+    instead of one per (query tile, key block)."""
 
-    def add(self, out: torch.Tensor, lse: torch.Tensor, rows: slice = slice(None)) -> None:
-        """Fold out (B, H_q, r, D) with lse (B, H_q, r) (-inf: no key attended) into query rows `rows`."""
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device):
+        """shape: the output's, (B, heads, q, ..., D), query rows along dim 2 (`add`'s rows)."""
+        self.out = torch.zeros(shape, dtype=dtype, device=device)  # normalized so far
+        self.lse = torch.full(shape[:-1], float("-inf"), dtype=dtype, device=device)
+        self.framed: torch.Tensor | None = None  # (B, H_q, q, D) in `frame`, when some values are framed
+        self.frame = None
+
+    def add(self, out: torch.Tensor, lse: torch.Tensor, rows: slice = slice(None), frame=None) -> None:
+        """Fold out (B, heads, r, ..., D) with lse (B, heads, r, ...) (-inf: no key attended) into query rows
+        `rows` (dim 2); frame: the KernelFrame out is in (values stored as R v), None for plain values."""
+        if frame is not None and self.framed is None:
+            self.framed, self.frame = torch.zeros_like(self.out), frame
+        elif frame is not None and frame is not self.frame:
+            raise ValueError("one layer's values are in one frame: got a second one")
         acc, old = self.out[:, :, rows], self.lse[:, :, rows]
         new = _logaddexp_by_row(old, lse)
-        safe = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+        safe = torch.nan_to_num(new, nan=0.0, posinf=0.0, neginf=0.0)  # (no key attended so far: 0)
         w_old = torch.exp(old - safe).unsqueeze(-1)
         w_new = torch.exp(lse - safe).unsqueeze(-1)
-        acc.mul_(w_old).add_(out.to(acc.dtype) * w_new)
+        into = acc if frame is None else self.framed[:, :, rows]
+        other = self.framed[:, :, rows] if frame is None and self.framed is not None else (
+            acc if frame is not None else None)
+        into.mul_(w_old).add_(out.to(acc.dtype) * w_new)
+        if other is not None:
+            other.mul_(w_old)
         old.copy_(new)
 
     def result(self) -> torch.Tensor:
-        return self.out  # rows that attended nothing kept their zeros
+        if self.framed is not None:  # rows that attended nothing kept their zeros in both
+            self.out.add_(self.frame.out_of(self.framed).to(self.out.dtype))
+        return self.out
 
 
 def _logaddexp_by_row(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -270,20 +294,15 @@ def _direct(
 
 
 def _tiles(
-    query: torch.Tensor, seg: _Segment, masks: _Masks, scale: float, state: _Merge, back=None
+    query: torch.Tensor, seg: _Segment, masks: _Masks, scale: float, state: _Merge
 ) -> None:
-    """One segment for a chunk of queries, through torch's fused CPU attention one query tile at a time
-    (`_Masks.spans`); tiles the mask hides entirely are skipped, tiles it leaves whole run unmasked."""
-    b, hq, q, d = query.shape
-    g = hq // seg.key.shape[1]
-
-    def heads(x: torch.Tensor) -> torch.Tensor:  # (B, H_kv, n, D) -> (B, H_q, n, D) in the query's dtype
-        return x.to(query.dtype).repeat_interleave(g, dim=1) if g > 1 else x.to(query.dtype)
-
-    # the FP copies of a long chunk's fresh keys are read a band per tile: expand each band to the query
-    # heads, never the whole copy (H_q / H_kv times the chunk's K/V, the prefill's largest transient)
-    banded = seg.fresh == "copy"
-    k, v = (seg.key, seg.value) if banded else (heads(seg.key), heads(seg.value))
+    """One segment for a chunk of queries (B, H_kv, q, g, D), through torch's fused CPU attention one query
+    tile at a time (`_Masks.spans`); tiles the mask hides entirely are skipped, tiles it leaves whole run
+    unmasked. GQA without copies of K/V: the g query heads of a KV head are g rows per query, (B, H_kv,
+    r * g, D), against the stored (B, H_kv, n, D) keys and values (each row is scored on its own: grouping
+    them does not change a row's result), the tile's mask repeated for them."""
+    b, hkv, q, g, d = query.shape
+    k, v = seg.key, seg.value
     for rows, lo, hi in masks.spans(q, seg.col, seg.key.shape[2], seg.fresh):
         visible, tile = masks.tile(rows, seg.col + lo, hi - lo, seg.fresh)  # (B or 1, 1, r, hi - lo) or None
         if not visible:
@@ -297,13 +316,17 @@ def _tiles(
         elif tile is not None:
             float_mask = tile.to(query.dtype)
             empty_rows = ~torch.isfinite(tile).any(dim=-1)
+        if float_mask is not None and g > 1:
+            float_mask = float_mask.repeat_interleave(g, dim=2)  # (B or 1, 1, r * g, n)
         kt, vt = (k, v) if (lo, hi) == (0, k.shape[2]) else (k[:, :, lo:hi], v[:, :, lo:hi])
-        if banded:
-            kt, vt = heads(kt), heads(vt)
-        out, lse = _FLASH_CPU(query[:, :, rows], kt, vt, 0.0, False, attn_mask=float_mask, scale=scale)
+        r = rows.stop - rows.start
+        qt = query[:, :, rows].view(b, hkv, r * g, d)
+        out, lse = _FLASH_CPU(qt, kt.to(query.dtype), vt.to(query.dtype), 0.0, False, attn_mask=float_mask,
+                              scale=scale)
+        out, lse = out.view(b, hkv, r, g, d), lse.view(b, hkv, r, g)
         if empty_rows is not None:
-            lse = lse.masked_fill(empty_rows, float("-inf"))
-        state.add(back(out) if back is not None else out, lse, rows)
+            lse = lse.masked_fill(empty_rows.unsqueeze(-1), float("-inf"))
+        state.add(out, lse, rows, seg.value_frame)
 
 
 _FLASH_CPU = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # returns (out, logsumexp)

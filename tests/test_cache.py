@@ -181,10 +181,11 @@ def test_long_windowed_chunk_reads_a_band_of_copies_and_equals_token_by_token(mo
     ids = _ids(1, 600, seed=13)
     widths, area = [], []
     flash = attention._FLASH_CPU
+    heads = model64.config.num_attention_heads  # q: (B, H_kv, g * r, D), a KV head's query heads as rows
 
     def spy(q, k, v, *args, **kwargs):
         widths.append(k.shape[2])
-        area.append(q.shape[2] * k.shape[2])
+        area.append(q.shape[1] * q.shape[2] * k.shape[2] // heads)  # (query, key) pairs of one query head
         return flash(q, k, v, *args, **kwargs)
 
     monkeypatch.setattr(attention, "_FLASH_CPU", spy)
@@ -351,11 +352,11 @@ def test_merge_of_partial_softmaxes_gives_each_row_its_batch_1_bits(rows):
     parts = [(torch.randn(b, hq, q, d, generator=g), torch.randn(b, hq, q, generator=g) * 4) for _ in "ab"]
     parts.append((torch.randn(b, hq, q, d, generator=g), torch.randn(b, hq, q, generator=g) * 4))
     parts[1][1][1, 0, 5:9] = float("-inf")  # a row that attended no key of this part
-    merged = _Merge(b, hq, q, d, torch.float32, torch.device("cpu"))
+    merged = _Merge((b, hq, q, d), torch.float32, torch.device("cpu"))
     for out, lse in parts:
         merged.add(out[:, :, rows], lse[:, :, rows], rows)
     for i in range(b):
-        alone = _Merge(1, hq, q, d, torch.float32, torch.device("cpu"))
+        alone = _Merge((1, hq, q, d), torch.float32, torch.device("cpu"))
         for out, lse in parts:
             alone.add(out[i : i + 1, :, rows], lse[i : i + 1, :, rows], rows)
         assert torch.equal(merged.result()[i], alone.result()[0]) and torch.equal(merged.lse[i], alone.lse[0])
