@@ -227,7 +227,7 @@ class _Merge:
         """shape: the output's, (B, heads, q, ..., D), query rows along dim 2 (`add`'s rows)."""
         self.out = torch.zeros(shape, dtype=dtype, device=device)  # normalized so far
         self.lse = torch.full(shape[:-1], float("-inf"), dtype=dtype, device=device)
-        self.framed: torch.Tensor | None = None  # (B, H_q, q, D) in `frame`, when some values are framed
+        self.framed: torch.Tensor | None = None  # like out, in `frame`: once some values are framed
         self.frame = None
 
     def add(self, out: torch.Tensor, lse: torch.Tensor, rows: slice = slice(None), frame=None) -> None:
@@ -242,11 +242,10 @@ class _Merge:
         safe = torch.nan_to_num(new, nan=0.0, posinf=0.0, neginf=0.0)  # (no key attended so far: 0)
         w_old = torch.exp(old - safe).unsqueeze(-1)
         w_new = torch.exp(lse - safe).unsqueeze(-1)
-        into = acc if frame is None else self.framed[:, :, rows]
-        other = self.framed[:, :, rows] if frame is None and self.framed is not None else (
-            acc if frame is not None else None)
+        framed = self.framed[:, :, rows] if self.framed is not None else None
+        into, other = (acc, framed) if frame is None else (framed, acc)
         into.mul_(w_old).add_(out.to(acc.dtype) * w_new)
-        if other is not None:
+        if other is not None:  # the other frame's sum so far takes the same weight
             other.mul_(w_old)
         old.copy_(new)
 

@@ -362,6 +362,38 @@ def test_merge_of_partial_softmaxes_gives_each_row_its_batch_1_bits(rows):
         assert torch.equal(merged.result()[i], alone.result()[0]) and torch.equal(merged.lse[i], alone.lse[0])
 
 
+def test_merge_sums_framed_outputs_in_their_frame_and_rotates_back_once():
+    """Outputs of values stored as R v are merged in R's frame and taken out of it once at the end: the same
+    result as taking each part out of the frame first (R^T is linear), to fp32 rounding; a second frame in
+    one layer is refused."""
+    from kvquant.attention import _Merge
+
+    class Frame:  # a linear map on the last dim, as KernelFrame.out_of is
+        def __init__(self, m):
+            self.m, self.calls = m, 0
+
+        def out_of(self, y):
+            self.calls += 1
+            return y @ self.m
+
+    g = torch.Generator().manual_seed(4)
+    b, h, q, d = 2, 3, 10, 8
+    frame = Frame(torch.linalg.qr(torch.randn(d, d, generator=g))[0])
+    parts = [(torch.randn(b, h, q, d, generator=g), torch.randn(b, h, q, generator=g) * 3, f)
+             for f in (None, frame, None, frame)]
+    parts[1][1][0, 1, 2:5] = float("-inf")  # rows that attended no key of a framed part
+    merged, plain = (_Merge((b, h, q, d), torch.float32, torch.device("cpu")) for _ in "ab")
+    for i, (out, lse, f) in enumerate(parts):
+        rows = slice(0, q) if i % 2 == 0 else slice(3, 9)
+        merged.add(out[:, :, rows], lse[:, :, rows], rows, f)
+        plain.add(f.out_of(out[:, :, rows]) if f is not None else out[:, :, rows], lse[:, :, rows], rows)
+    frame.calls = 0
+    torch.testing.assert_close(merged.result(), plain.result(), atol=1e-6, rtol=1e-5)
+    assert frame.calls == 1 and torch.equal(merged.lse, plain.lse)
+    with pytest.raises(ValueError, match="one frame"):
+        merged.add(parts[0][0], parts[0][1], frame=Frame(torch.eye(d)))
+
+
 @pytest.mark.parametrize("scheme", ["fp16", "int8"])
 def test_left_padding_generate_matches_alone(model, scheme):
     seqs, ids, mask, _ = _left_padded([11, 6], seed=20)
