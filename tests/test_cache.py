@@ -140,6 +140,7 @@ WINDOWED = [
     "int8,window=6",
     "k=int2-channel-g4,v=fp16,sink=2",
     "int4-g32,sink=5",
+    "k=int4-channel-g8-rot,v=int4-g16-rot,sink=3,window=10",  # rotated values: summed in their frame
 ]
 
 

@@ -221,7 +221,8 @@ class KernelFrame:
         order      (D,) int64      x[..., order]              the channel order a kernel decodes blocks in
                                                               (a permutation: kernels.layouts.engine_order)
 
-    Tensors live on the device of the call. `into` / `out_of` compute in fp32."""
+    Tensors live on the device of the call. `into` / `out_of` compute in fp32 (fp64 for fp64 input: a float64
+    run's decode-exact chunks then equal its token-by-token decode to fp64 rounding, not fp32's)."""
 
     codec: Codec
     signs: torch.Tensor | None = None
@@ -238,11 +239,11 @@ class KernelFrame:
         does); x itself when the frame is the identity."""
         if self.identity:
             return x
-        y = x.float()
+        y = x if x.dtype == torch.float64 else x.float()
         if self.signs is not None:
             y = rotate(y, self.signs)
         if self.matrix is not None:
-            y = y @ self.matrix
+            y = y @ self.matrix.to(y.dtype)
         if self.hadamard:
             y = fwht(y, self.hadamard)
         if self.order is not None:
@@ -250,16 +251,17 @@ class KernelFrame:
         return y.to(dtype or x.dtype)
 
     def out_of(self, y: torch.Tensor) -> torch.Tensor:
-        """(..., D) -> T^T y in y's dtype (fp32 arithmetic); y itself when the frame is the identity."""
+        """(..., D) -> T^T y in y's dtype (fp32 arithmetic, fp64 for fp64); y itself when the frame is the
+        identity."""
         if self.identity:
             return y
-        x = y.float()
+        x = y if y.dtype == torch.float64 else y.float()
         if self.order is not None:
             x = torch.empty_like(x).index_copy_(-1, self.order, x)  # x[..., order[i]] = y[..., i]
         if self.hadamard:
             x = fwht(x, self.hadamard)  # symmetric and its own inverse
         if self.matrix is not None:
-            x = x @ self.matrix.T
+            x = x @ self.matrix.T.to(x.dtype)
         if self.signs is not None:
             x = unrotate(x, self.signs)
         return x.to(y.dtype)
