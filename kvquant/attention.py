@@ -301,7 +301,7 @@ def _tiles(
     r * g, D), against the stored (B, H_kv, n, D) keys and values (each row is scored on its own: grouping
     them does not change a row's result), the tile's mask repeated for them."""
     b, hkv, q, g, d = query.shape
-    k, v = seg.key, seg.value
+    k, v = seg.key.to(query.dtype), seg.value.to(query.dtype)  # once per segment (no copy when equal)
     for rows, lo, hi in masks.spans(q, seg.col, seg.key.shape[2], seg.fresh):
         visible, tile = masks.tile(rows, seg.col + lo, hi - lo, seg.fresh)  # (B or 1, 1, r, hi - lo) or None
         if not visible:
@@ -320,8 +320,7 @@ def _tiles(
         kt, vt = (k, v) if (lo, hi) == (0, k.shape[2]) else (k[:, :, lo:hi], v[:, :, lo:hi])
         r = rows.stop - rows.start
         qt = query[:, :, rows].view(b, hkv, r * g, d)
-        out, lse = _FLASH_CPU(qt, kt.to(query.dtype), vt.to(query.dtype), 0.0, False, attn_mask=float_mask,
-                              scale=scale)
+        out, lse = _FLASH_CPU(qt, kt, vt, 0.0, False, attn_mask=float_mask, scale=scale)
         out, lse = out.view(b, hkv, r, g, d), lse.view(b, hkv, r, g)
         if empty_rows is not None:
             lse = lse.masked_fill(empty_rows.unsqueeze(-1), float("-inf"))
