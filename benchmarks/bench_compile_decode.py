@@ -17,9 +17,10 @@ This script times, on one layer's pages in one process, one decode query's atten
 
 Shapes are the default model's (SmolLM2-135M: 3 KV heads of D = 64, 3 query heads each, 16-token pages),
 fp32. Reported per spec: first call (ms; the compile for `compiled`), steady-state median [p10-p90] over
---calls calls after 3 warm-up calls, ratios against eager and native, the largest |difference| of the
-outputs against eager (the compiled path's twin check), and for `compiled` the decode steps a run of 30
-layers needs before the compile pays for itself against eager (never, when it is not faster). Prints a
+--calls calls after 3 warm-up calls, speed against eager and native (their median over this path's: > 1 is
+faster), the largest |difference| of the outputs against eager (the compiled path's twin check), and for
+`compiled` the decode steps a run of 30 layers needs before the compile pays for itself against eager
+(never, when it is not faster). Prints a
 markdown table; --md writes it too.
 """
 
@@ -127,7 +128,8 @@ def bench(spec: str, tokens: int, calls: int) -> list[dict]:
 
 def markdown(rows: list[dict], header: str) -> str:
     lines = [header, "",
-             "| spec | tokens | path | first call ms | steady ms median [p10-p90] | vs eager | vs native "
+             "| spec | tokens | path | first call ms | steady ms median [p10-p90] "
+             "| speed vs eager (>1: faster) | speed vs native "
              "| max abs diff vs eager | compile pays off after (steps, 30 layers) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
