@@ -84,16 +84,19 @@ def run_calibration(
     extra_entries=(),
     model=None,
     tokenizer=None,
+    rotation=None,
 ) -> tuple[str, list[str]]:
     """Fit every codebook the schemes need (plus extra_entries) and write `out` (.safetensors + .json).
-    Returns (the safetensors path, the schemes with calib=out)."""
+    rotation: how -crot rotations are fitted (`kvquant.fitting.RotationFit`; None: its defaults), recorded
+    in the JSON as `rotation_fit` when a -crot table is fitted. Returns (the safetensors path, the schemes
+    with calib=out)."""
     import dataclasses
 
     import torch
 
     import kvquant
     from kvquant.calibration import entries_for, metadata, save_calibration
-    from kvquant.fitting import calibrate
+    from kvquant.fitting import RotationFit, calibrate
     from kvquant.memory import KVShape
 
     if model is None:
@@ -116,7 +119,9 @@ def run_calibration(
         seed=seed,
         max_samples=max_samples,
         progress=lambda n, total: logger.info("document %d/%d", n, total),
+        rotation=rotation or RotationFit(),
     )
+    crot = any(e.spec.rotate_calib for e in entries.values())
     with_calib = [str(dataclasses.replace(s, calib=str(out))) for s in parsed]
     meta = metadata(
         model_path or "SmolLM2-135M-Instruct (embedded)",
@@ -131,6 +136,7 @@ def run_calibration(
         max_samples=max_samples,
         dtype=str(next(model.parameters()).dtype),
         torch=torch.__version__,
+        **({"rotation_fit": dataclasses.asdict(rotation or RotationFit())} if crot else {}),
     )
     st, _ = save_calibration(out, tables, meta)
     return str(st), with_calib

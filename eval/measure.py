@@ -334,19 +334,20 @@ def _scheme_hiddens(
     """Each scheme's last hidden states (1, t, hidden) for one chunk, piece (1, t), through its cache. The
     prefill chunk has FP attention among the prompt's tokens (the reference's forward `live` when it ran
     here, else one of its own), then stores the FP K/V in the scheme's cache. A run that raises is reported
-    and removed from `runs`."""
+    and removed from `runs`. The FP prompt forward is one for every scheme that stores it (the same K/V and
+    the same hidden tensor, which `_score_chunk` then scores once)."""
     out: dict[str, torch.Tensor] = {}
+    shared: tuple | None = (runs[0].cache, live) if live is not None else None  # (fp_cache, hidden)
     for r in list(runs[1:]):
         try:
             if prefilling and needs_prompt_queries(r.cache):  # its prompt's queries choose (salient=N/G)
                 with fp_prefill(r.cache):
                     out[r.label] = _hidden(model, piece, r.cache)
             elif prefilling:
-                if live is not None:
-                    fp_cache, out[r.label] = runs[0].cache, live
-                else:
+                if shared is None:  # the reference was read, not run: one FP forward of the prompt here
                     fp_cache = make_cache(None, model.config, "prefill")
-                    out[r.label] = _hidden(model, piece, fp_cache)
+                    shared = (fp_cache, _hidden(model, piece, fp_cache))
+                fp_cache, out[r.label] = shared
                 store_prefill(r.cache, fp_cache)
             else:
                 out[r.label] = _hidden(model, piece, r.cache)
@@ -374,12 +375,16 @@ def _score_chunk(
             ref = scoring.reference_slice(model, hiddens[REFERENCE][0, s0:s1], tgt)
             computed.append(ref.stats())
         ref_nll = ref.nll
+        scored: dict[int, tuple] = {}  # runs handed one hidden tensor (prefill's FP prompt) are scored once
         for r in runs:
             if r.label == REFERENCE:
                 nll, kl = ref_nll, torch.zeros_like(ref_nll)
                 agree = torch.ones_like(tgt, dtype=torch.bool)
             else:
-                nll, kl, agree = scoring.score(model, ref, hiddens[r.label][0, s0:s1], tgt)
+                h = hiddens[r.label]
+                if id(h) not in scored:
+                    scored[id(h)] = scoring.score(model, ref, h[0, s0:s1], tgt)
+                nll, kl, agree = scored[id(h)]
             _add_to_buckets(r.stats, buckets, pos, nll, ref_nll, kl, agree)
     return computed
 

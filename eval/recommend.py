@@ -296,6 +296,7 @@ def recommend(
     merge: bool = False,
     passkey: bool = False,
     export: str | None = None,
+    passkey_length: int | None = None,
 ) -> Recommendation:
     """Measure every candidate of `candidates_for(engine, model)` in prefill and cache mode (two run
     directories under `out`, each resumable) and rank them. Raises RunError for bad input before any model
@@ -306,7 +307,9 @@ def recommend(
     shard (`--shard I/N`, a job array) this process measures its part of both runs and ranks nothing
     (`part_only`); merge (`--merge`) measures nothing and ranks from every shard's results. passkey: also a
     passkey grid in prefill mode (one length, depths 0, 0.5, 1, one trial; its own run directory), whose
-    exact-match rate becomes a column of the table (not a criterion of the pick). export: a folder for vLLM's
+    exact-match rate becomes a column of the table (not a criterion of the pick); passkey_length: its prompt
+    length (default: the run's length, the longest context measured; at least 128 tokens, the run's length
+    where shorter only when that leaves 128). export: a folder for vLLM's
     calibrated FP8 k_scale / v_scale (module docstring), scored as the row `fp8 (calibrated)`."""
     from .runner import run
 
@@ -322,7 +325,10 @@ def recommend(
         chunk = chunk or 256
         docs = docs or 1
     length = max_length or facts.positions or 8192
-    plan = _drop_idle(plan, min(length, max(min(length, PASSKEY_LENGTH), 128)) if passkey else length)
+    if passkey_length is not None and passkey_length < 128:
+        raise RunError(f"--passkey-length {passkey_length}: a passkey prompt needs at least 128 tokens")
+    pk_length = max(min(length, passkey_length or length), 128) if passkey else None
+    plan = _drop_idle(plan, min(length, pk_length or length))
     corpus = corpus or ("shakespeare" if length > 16384 else "wikipedia")
     default = _slug(f"{engine}-{Path(plan.model_name).name}-{length}" + ("-quick" if quick else ""))
     root = Path(out) if out else Path("runs") / "recommend" / default
@@ -330,7 +336,7 @@ def recommend(
     summaries: dict[str, list[dict]] = {}
     run_dirs: dict[str, Path] = {}
     configs = _sweep_configs(
-        tuple(c.scheme for c in plan.candidates), root, passkey, model=model, corpus=corpus, length=length,
+        tuple(c.scheme for c in plan.candidates), root, pk_length, model=model, corpus=corpus, length=length,
         chunk=chunk, docs=docs, device=device, dtype=dtype, force=force, shard=shard, merge=merge,
     )
     exported = ""
@@ -346,7 +352,7 @@ def recommend(
     retrieval = summaries.pop("passkey", None)
     rows = _merge(plan, summaries)
     if retrieval is not None:
-        _add_passkey(rows, retrieval)
+        _add_passkey(rows, retrieval, pk_length)
     ranked, pick, better = _rank(rows, tolerance, facts, gpu, weights_gb, length)
     table = _table(ranked, plan, gpu, length, tolerance)
     rec = Recommendation(plan, ranked, pick, better, table, root, time.perf_counter() - t0, run_dirs,
@@ -355,7 +361,6 @@ def recommend(
     return rec
 
 
-PASSKEY_LENGTH = 1024  # the passkey column's prompt length (the run's length where shorter)
 EXPORT_DOCS, EXPORT_LENGTH = 8, 2048  # calibration text of --export (experiments/export_scales.py's defaults)
 
 
@@ -430,11 +435,11 @@ def _check_target(gpu: str, tolerance: float) -> None:
         raise RunError(f"--tolerance {tolerance} must be a positive fraction, e.g. 0.01 for 1%")
 
 
-def _sweep_configs(schemes: tuple, root: Path, passkey: bool, *, model: str | None, corpus: str, length: int,
-                   chunk: int | None, docs: int | None, device: str, dtype: str, force: bool,
+def _sweep_configs(schemes: tuple, root: Path, passkey: int | None, *, model: str | None, corpus: str,
+                   length: int, chunk: int | None, docs: int | None, device: str, dtype: str, force: bool,
                    shard: Shard | None, merge: bool) -> dict[str, RunConfig]:
     """The sweep's runs, one directory under `root` each: prefill and cache mode over `length` tokens, and
-    with passkey a one-length passkey grid in prefill mode (depths 0, 0.5, 1, one trial)."""
+    with a passkey length a passkey grid at that length in prefill mode (depths 0, 0.5, 1, one trial)."""
     configs = {
         mode: RunConfig(
             schemes=schemes, model=model, corpus=corpus, mode=mode, max_length=length, chunk=chunk, docs=docs,
@@ -442,21 +447,23 @@ def _sweep_configs(schemes: tuple, root: Path, passkey: bool, *, model: str | No
         )
         for mode in ("prefill", "cache")
     }
-    if passkey:
+    if passkey is not None:
         configs["passkey"] = RunConfig(
             schemes=schemes, model=model, corpus=corpus, mode="prefill", task="passkey",
-            lengths=(max(min(length, PASSKEY_LENGTH), 128),), depths=(0.0, 0.5, 1.0), trials=1, chunk=chunk,
+            lengths=(passkey,), depths=(0.0, 0.5, 1.0), trials=1, chunk=chunk,
             device=device, dtype=dtype, out=str(root / "passkey"), force=force, shard=shard, merge=merge,
         )
     return configs
 
 
-def _add_passkey(rows: list[dict], retrieval: list[dict]) -> None:
-    """Each candidate's passkey exact-match rate over the grid (prefill mode), as `passkey`."""
-    overall = {r["scheme"]: r for r in retrieval if r["length"] == "all" and r["depth"] == "all"}
+def _add_passkey(rows: list[dict], retrieval: list[dict], length: int) -> None:
+    """Each candidate's passkey exact-match rate over the depths at `length` (prefill mode), as `passkey`
+    (the run directory may also hold other lengths' points, measured earlier: not these)."""
+    overall = {r["scheme"]: r for r in retrieval if str(r["length"]) == str(length) and r["depth"] == "all"}
     for row in rows:
         r = overall.get(row["label"], {})
         row["passkey"] = r.get("exact_match", math.nan) if r.get("status", "ok") == "ok" else math.nan
+        row["passkey_length"] = length
 
 
 def _slug(text: str) -> str:
@@ -545,9 +552,10 @@ def _table(ranked, plan: Plan, gpu: str, length: int, tol: float) -> str:
         for b in r["prefill_buckets"]:
             if b["bucket"] not in buckets:
                 buckets.append(b["bucket"])
-    passkey = any("passkey" in r for r in ranked)
+    passkey = next((r["passkey_length"] for r in ranked if "passkey" in r), None)
     head = (["#", "format", "kind", "bits"] + [f"prefill drift {b}" for b in buckets]
-            + ["prefill KL", "KL p99", "cache drift", "cache KL", *(["passkey exact"] if passkey else []),
+            + ["prefill KL", "KL p99", "cache drift", "cache KL",
+               *([f"passkey exact ({passkey:,} tok)"] if passkey else []),
                "B/token", f"requests ({gpu}, {length:,} tok)", f"within ±{100 * tol:g}%"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for i, r in enumerate(ranked, 1):
@@ -600,7 +608,8 @@ def _write(rec: Recommendation) -> None:
         "ranked": [
             {"scheme": r["candidate"].scheme, "label": r["candidate"].label, "kind": r["candidate"].kind,
              "within": r["ok"], "kl": r["kl"], "bytes_per_token": r["bytes"], "requests": r["requests"],
-             **({"passkey_exact": r["passkey"]} if "passkey" in r else {})}
+             **({"passkey_exact": r["passkey"], "passkey_length": r["passkey_length"]}
+                if "passkey" in r else {})}
             for r in rec.rows
         ],
         "skipped": [{"label": s.label, "reason": s.reason} for s in rec.plan.skipped],

@@ -1058,6 +1058,7 @@ class PlotInfo:
     names: Mapping[str, str] = field(default_factory=dict)
     partial: str | None = None  # "6 of 24 points" while the run is incomplete
     kv_dtype: str = "float16"  # the storage dtype bytes are reported at (--kv-dtype)
+    prefill: int | None = None  # prefill mode's prompt length: its buckets are exact by construction
 
     def subtitle(self) -> str:
         docs = f"{self.documents} document{'s' if self.documents != 1 else ''}"
@@ -1135,6 +1136,17 @@ def plot_drift(summary: list[dict], info: PlotInfo | None = None, reference: str
     for col, mode in enumerate(modes):
         ax, kax = axes[0][col], axes[1][col]
         rows = [r for r in summary if r["mode"] == mode and r["bucket"] != "all" and r["scheme"] != reference]
+        prompt = info.prefill if mode == "prefill" and info.prefill else 0
+        if prompt:  # the prompt's buckets went through the FP forward: 0 drift by construction, not a result
+            ends = [int(r["bucket_end"]) for r in rows]
+            rows = [r for r in rows if int(r["bucket_end"]) > prompt]
+            if ends:
+                ticks.update(e for e in ends if e <= prompt)
+                ax.axvspan(min(ends), prompt, color="grey", alpha=0.12, linewidth=0)
+                kax.axvspan(min(ends), prompt, color="grey", alpha=0.12, linewidth=0)
+                note = f"prompt ({prompt:,} tokens):\nFP forward, not plotted"
+                ax.text(math.sqrt(min(ends) * prompt), 0.3, note, transform=ax.get_xaxis_transform(),
+                        ha="center", va="center", fontsize=8, color="dimgrey")
         has_band = False
         for scheme in dict.fromkeys(r["scheme"] for r in rows):
             pts = sorted((int(r["bucket_end"]), r) for r in rows if r["scheme"] == scheme)
@@ -1143,11 +1155,18 @@ def plot_drift(summary: list[dict], info: PlotInfo | None = None, reference: str
             (line,) = ax.plot(xs, [100 * r["drift"] for _, r in pts], marker="o", label=info.name(scheme))
             color = line.get_color()
             kax.plot(xs, [_positive(_num(r.get("kl"))) for _, r in pts], marker="o", color=color)
-            kax.plot(xs, [_positive(_num(r.get("kl_p99"))) for _, r in pts], ls="--", lw=1, color=color)
-            bands_of = ((ax, ("drift_lo", "drift_hi"), 100), (kax, ("kl_lo", "kl_hi"), 1))
-            for target, (lo, hi), scale in bands_of:
-                bands = [_band(r, lo, hi) for _, r in pts]
-                if any(bands):
+            kax.plot(xs, [_positive(_num(r.get("kl_p99"))) for _, r in pts], ls="--", lw=1, color=color,
+                     marker="_" if len(xs) == 1 else None)  # a lone p99 needs a marker to show
+            bands_of = ((ax, "drift", 100), (kax, "kl", 1))
+            for target, metric, scale in bands_of:
+                bands = [_band(r, f"{metric}_lo", f"{metric}_hi") for _, r in pts]
+                if bands[0] and len(xs) == 1:  # one point (prefill's decoded half): a band needs two
+                    has_band = True
+                    y = scale * _num(pts[0][1].get(metric))
+                    lo, hi = scale * bands[0][0], scale * bands[0][1]
+                    target.errorbar(xs, [y], yerr=[[max(y - lo, 0.0)], [max(hi - y, 0.0)]], fmt="none",
+                                    ecolor=color, alpha=0.6, capsize=4)
+                elif any(bands):
                     has_band = True
                     target.fill_between(
                         xs, [scale * b[0] if b else math.nan for b in bands],
@@ -1156,9 +1175,10 @@ def plot_drift(summary: list[dict], info: PlotInfo | None = None, reference: str
         ax.axhline(0, color="grey", lw=0.8)
         kax.set_xlabel("position (end of bucket, tokens)")
         chunk = f", chunk {info.chunk:,}" if mode == "cache" and info.chunk else ""
-        ax.set_title(f"mode: {mode}{chunk}", fontsize=10)
+        decoded = f", decoded after a {prompt:,}-token prompt" if prompt else ""
+        ax.set_title(f"mode: {mode}{chunk}{decoded}", fontsize=10)
         if rows:
-            ax.legend(fontsize=8, title="shaded: interval" if has_band else None, title_fontsize=8)
+            ax.legend(fontsize=8, title="shaded / bars: interval" if has_band else None, title_fontsize=8)
             kax.set_yscale("log")
     axes[0][0].set_ylabel(f"perplexity drift vs {ref_name} (%)")
     axes[1][0].set_ylabel(f"KL({ref_name} || scheme), nats\nper token: mean (dashed: p99)")

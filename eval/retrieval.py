@@ -58,6 +58,7 @@ __all__ = [
     "make_probe",
     "filler_tokens",
     "score_probe",
+    "prompt_forward",
     "run_retrieval",
     "summarize_retrieval",
     "summary_table",
@@ -246,22 +247,34 @@ def make_probe(
 
 
 @torch.inference_mode()
+def prompt_forward(model, probe: Probe) -> tuple[object, torch.Tensor]:
+    """Prefill mode's FP forward of a probe's whole prompt: its DynamicCache and the last position's hidden
+    state (1, 1, hidden). Every scheme stores (quantizes) the same K/V from it, so one forward serves them."""
+    ids = torch.tensor([probe.ids], dtype=torch.long, device=next(model.parameters()).device)
+    fp_cache = make_cache(None, model.config, "prefill")
+    return fp_cache, _hidden(model, ids, fp_cache)[:, -1:]
+
+
+@torch.inference_mode()
 def score_probe(
-    model, probe: Probe, scheme: EvalScheme | None, *, mode: str = "cache", chunk: int = 1024
+    model, probe: Probe, scheme: EvalScheme | None, *, mode: str = "cache", chunk: int = 1024,
+    prompt: tuple[object, torch.Tensor] | None = None,
 ) -> Outcome:
     """Feed the prompt through `scheme`'s cache (None: the reference, a DynamicCache) as `mode` says, then
-    decode the answer token by token through the same cache, teacher-forced (see the module docstring)."""
+    decode the answer token by token through the same cache, teacher-forced (see the module docstring).
+    prompt: in prefill mode, `prompt_forward(model, probe)` computed once for the probe's schemes (a scheme
+    stores from it and leaves it unchanged; the reference decodes on in it, so it must be the last user)."""
     device = next(model.parameters()).device
     ids = torch.tensor([probe.ids], dtype=torch.long, device=device)
-    cache = make_cache(scheme, model.config, mode)
     if mode == "prefill":
         # the whole prompt in one forward with FP attention among its tokens, then stored (quantized)
-        fp_cache = make_cache(None, model.config, mode) if scheme is not None else cache
-        hidden = _hidden(model, ids, fp_cache)[:, -1:]
+        fp_cache, hidden = prompt if prompt is not None else prompt_forward(model, probe)
+        cache = fp_cache
         if scheme is not None:
+            cache = make_cache(scheme, model.config, mode)
             store_prefill(cache, fp_cache)
-            del fp_cache
     else:
+        cache = make_cache(scheme, model.config, mode)
         bounds = steps(ids.shape[1], mode, chunk)
         for a, b in zip(bounds, bounds[1:], strict=False):
             hidden = _hidden(model, ids[:, a:b], cache)[:, -1:]
@@ -404,9 +417,10 @@ def _points(grid: Grid, modes: Sequence[str], schemes) -> list[tuple]:
 def _measure(
     config: RunConfig, model, schemes, probes: dict, results: res.RunResults, mine: set | None = None
 ) -> None:
-    """Cell by cell (short lengths first, so an interrupted grid is still a grid), the reference then every
-    scheme on the same probe; each point is written as soon as it is measured. mine: the points this process
-    measures (None: all)."""
+    """Cell by cell (short lengths first, so an interrupted grid is still a grid), every scheme then the
+    reference on the same probe; each point is written as soon as it is measured. In prefill mode the
+    prompt's FP forward runs once per probe (`prompt_forward`, outside the points' timing) and the reference,
+    which decodes on in its cache, comes last. mine: the points this process measures (None: all)."""
     from tqdm.auto import tqdm
 
     failed: set[tuple[str, str]] = set()
@@ -415,16 +429,19 @@ def _measure(
         mode_schemes = harness.runs_in(mode, schemes)
         harness.record_skipped(results, mode, [s for s in schemes if s not in mode_schemes])
         probe = probes[key]
-        for s in [None, *mode_schemes]:
+        prompt = None  # prefill mode: the probe's FP prompt forward, shared by its points
+        for s in [*mode_schemes, None]:
             label = REFERENCE if s is None else s.label
             if mine is not None and (label, mode, probe.trial, probe.cell) not in mine:
                 continue  # another process's point
             if (label, mode) in failed or results.has(label, mode, probe.trial, probe.cell):
                 continue
             chunk = config.chunk if s is None else config.chunk_for(s)
-            t0 = time.perf_counter()
             try:
-                out = score_probe(model, probe, s, mode=mode, chunk=chunk)
+                if mode == "prefill" and prompt is None:
+                    prompt = prompt_forward(model, probe)
+                t0 = time.perf_counter()
+                out = score_probe(model, probe, s, mode=mode, chunk=chunk, prompt=prompt)
             except KeyboardInterrupt:
                 raise
             except Exception as e:  # noqa: BLE001 - recorded; the other schemes go on

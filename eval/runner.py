@@ -753,6 +753,7 @@ def plot_info(config_json: dict, progress: Progress | None = None) -> res.PlotIn
         names=config_json.get("scheme_names", {}),
         partial=None if progress is None or progress.complete else str(progress),
         kv_dtype=config_json.get("kv_dtype", "float16"),
+        prefill=config_json.get("prefill"),  # only a prefill-mode column uses it
     )
 
 

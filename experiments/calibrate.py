@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--length", type=int, default=2048, help="tokens per document (default 2048)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-samples", type=int, default=1_000_000, help="values per codebook fit (default 1M)")
+    fit = p.add_argument_group("-crot rotation fit (kvquant.fitting.RotationFit)")
+    fit.add_argument("--rotation-docs", type=int, default=2, help="documents the rotations fit on (2)")
+    fit.add_argument("--rotation-tokens", type=int, default=1024, help="tokens of each (default 1,024)")
+    fit.add_argument("--rotation-steps", type=int, default=100, help="Adam steps (default 100)")
+    fit.add_argument("--rotation-queries", type=int, default=128,
+                     help="sampled queries per document (default 128)")
     return p
 
 
@@ -55,6 +61,10 @@ def check_args(args: argparse.Namespace) -> list[str]:
         ("--docs", args.docs, 1, "calibration documents; 0 would not mean all of them"),
         ("--length", args.length, 2, "tokens per calibration document"),
         ("--max-samples", args.max_samples, 1, "values per codebook fit"),
+        ("--rotation-docs", args.rotation_docs, 1, "documents the -crot rotations fit on"),
+        ("--rotation-tokens", args.rotation_tokens, 2, "tokens per rotation-fit document"),
+        ("--rotation-steps", args.rotation_steps, 1, "Adam steps of the rotation fit"),
+        ("--rotation-queries", args.rotation_queries, 1, "sampled queries per rotation-fit document"),
     ):
         if value < low:
             raise RunError(f"{flag} {value} must be at least {low} ({why})")
@@ -101,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     from kvquant.eval.calibration import run_calibration
 
+    from kvquant.fitting import RotationFit
+
     path, with_calib = run_calibration(
         schemes,
         args.out,
@@ -110,6 +122,9 @@ def main(argv: list[str] | None = None) -> int:
         length=args.length,
         seed=args.seed,
         max_samples=args.max_samples,
+        rotation=RotationFit(
+            args.rotation_docs, args.rotation_tokens, args.rotation_steps, args.rotation_queries
+        ),
     )
     print(f"wrote {path} and its .json; schemes:")
     for s in with_calib:

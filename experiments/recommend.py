@@ -53,6 +53,8 @@ def build_parser():
     p.add_argument("--dtype", default="float32")
     p.add_argument("--passkey", action="store_true",
                    help="also a passkey grid in prefill mode: an exact-match column (not a criterion)")
+    p.add_argument("--passkey-length", type=int, default=None, metavar="N",
+                   help="the passkey prompt's tokens (default: --max-length, the longest context measured)")
     p.add_argument("--export", default=None, metavar="DIR",
                    help="vLLM: write calibrated FP8 k_scale / v_scale to DIR (kv_scales.safetensors, "
                         "kv_cache_scheme.json) and score them as the row 'fp8 (calibrated)'")
@@ -78,7 +80,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.engine, args.model, corpus=args.corpus, max_length=args.max_length, docs=args.docs,
             chunk=args.chunk, out=args.out, gpu=args.gpu, weights_gb=args.weights_gb,
             tolerance=args.tolerance, quick=args.quick, force=args.force, device=args.device,
-            dtype=args.dtype, passkey=args.passkey, merge=args.merge, export=args.export,
+            dtype=args.dtype, passkey=args.passkey or args.passkey_length is not None, merge=args.merge,
+            export=args.export, passkey_length=args.passkey_length,
             shard=parse_shard(args.shard) if args.shard is not None else None,
         )
     except RunError as e:

@@ -22,7 +22,23 @@ from .scheme import QuantSpec
 if TYPE_CHECKING:  # torch is imported where it is used
     import torch
 
-__all__ = ["calibrate", "collect"]
+__all__ = ["RotationFit", "calibrate", "collect"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RotationFit:
+    """How `calibrate` fits -crot rotations: the first `docs` documents cut to `tokens` tokens, `steps` Adam
+    steps on `queries` sampled queries per document (the next document, cut alike, is held out)."""
+
+    docs: int = 2
+    tokens: int = 1024
+    steps: int = 100
+    queries: int = 128
+
+    def __post_init__(self):
+        for name in ("docs", "tokens", "steps", "queries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"rotation fit: {name} = {getattr(self, name)} must be at least 1")
 
 
 def collect(
@@ -92,18 +108,14 @@ def calibrate(
     seed: int = 0,
     max_samples: int = 1_000_000,
     progress=None,
-    rotation_docs: int = 2,
-    rotation_tokens: int = 1024,
-    rotation_steps: int = 100,
-    rotation_queries: int = 128,
+    rotation: RotationFit = RotationFit(),
     report: list | None = None,
 ) -> dict[str, torch.Tensor]:
     """Fit every entry's table on the documents: {entry name: levels or rotation}.
 
     Codebooks of specs without -crot: `collect` on every document, then `fit_codebook`. -crot specs
-    (`kvquant.rotfit.fit_rotations`, rotation and codebook): the first `rotation_docs` documents cut
-    to `rotation_tokens`, `rotation_steps` Adam steps on `rotation_queries` sampled queries per document; the
-    next document (cut alike), when there is one, is held out and scored into `report`."""
+    (`kvquant.rotfit.fit_rotations`, rotation and codebook) as `rotation` says (`RotationFit`); its held-out
+    document, when there is one, is scored into `report`."""
     entries = list(entries)
     plain = [e for e in entries if not e.spec.rotate_calib]
     tables = {}
@@ -117,14 +129,14 @@ def calibrate(
     if crot:
         from .rotfit import fit_rotations
 
-        docs = [d[:, :rotation_tokens] for d in documents]
+        docs = [d[:, : rotation.tokens] for d in documents]
         tables |= fit_rotations(
             model,
-            docs[:rotation_docs],
+            docs[: rotation.docs],
             crot,
-            held_out=docs[rotation_docs : rotation_docs + 1],
-            steps=rotation_steps,
-            queries=rotation_queries,
+            held_out=docs[rotation.docs : rotation.docs + 1],
+            steps=rotation.steps,
+            queries=rotation.queries,
             seed=seed,
             max_samples=max_samples,
             report=report,

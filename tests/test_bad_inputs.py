@@ -340,6 +340,8 @@ def cli_cases(f: dict[str, str]) -> list[tuple[str, list[str], str]]:
         (["--scheme", "nuq4-g64", "--out", out, "--length", "100000"], "beyond the model's 8192 positions"),
         (["--scheme", "nuq4-g64", "--out", f"{f['root']}/x.bin"], "must end in .safetensors"),
         (["--scheme", "nuq4-g64,", "--out", out], "a trailing comma"),
+        (["--scheme", "int2-g64-crot", "--out", out, "--rotation-steps", "0"],
+         "--rotation-steps 0 must be at least 1"),
     ]
     allocate = [
         (["--budget-bits", "3", "--uniform-only", "--group", "0"], "--group 0 must be at least 1"),

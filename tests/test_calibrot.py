@@ -163,17 +163,15 @@ def test_file_round_trip_and_cache(outlier_model, docs, tmp_path, scheme):
     from kvquant.eval.allocation import reference_logprobs, scheme_kl
 
     from kvquant.calibration import metadata
-    from kvquant.fitting import calibrate
+    from kvquant.fitting import RotationFit, calibrate
     from kvquant.memory import KVShape
 
     path = str(tmp_path / "c.safetensors")
     base = parse_scheme(scheme + f",calib={path}")
     shape = KVShape.from_config(outlier_model.config)
     entries = entries_for(base, shape.num_layers)
-    tables = calibrate(
-        outlier_model, docs[:3], entries, rotation_docs=2, rotation_tokens=256, rotation_steps=10,
-        rotation_queries=32,
-    )
+    fit = RotationFit(docs=2, tokens=256, steps=10, queries=32)
+    tables = calibrate(outlier_model, docs[:3], entries, rotation=fit)
     save_calibration(path, tables, metadata("tiny", shape, [str(base)], entries))
     calib = load_calibration(path)
     assert set(calib.tables) == set(tables)
@@ -193,3 +191,34 @@ def test_file_round_trip_and_cache(outlier_model, docs, tmp_path, scheme):
         k0 = k0.inner
     assert torch.equal(k0.matrix, calib.rotation(0, "k", base.for_layer(0).key))
     assert not torch.equal(k0.matrix, calib.rotation(1, "k", base.for_layer(1).key))  # each layer its own
+
+
+def test_run_calibration_fits_rotations_as_asked_and_records_it(outlier_model, docs, tmp_path, monkeypatch):
+    """`experiments/calibrate.py --rotation-*` reach the fit (`RotationFit`) and the file's JSON says them."""
+    import json
+
+    from kvquant.eval import calibration
+
+    from kvquant import rotfit
+    from kvquant.fitting import RotationFit
+
+    monkeypatch.setattr(calibration, "calibration_documents",
+                        lambda *a, **k: calibration.CalibText(docs[:3], ["a", "b", "c"], "tiny"))
+    seen = {}
+    real = rotfit.fit_rotations
+
+    def spy(model, fit_docs, entries, **kw):
+        seen.update(kw, docs=len(fit_docs), tokens=fit_docs[0].shape[1], held_out=len(kw["held_out"]))
+        return real(model, fit_docs, entries, **kw)
+
+    monkeypatch.setattr(rotfit, "fit_rotations", spy)
+    out = str(tmp_path / "r.safetensors")
+    fit = RotationFit(docs=1, tokens=128, steps=3, queries=16)
+    calibration.run_calibration([f"int2-g64-crot,calib={out}"], out, model=outlier_model, tokenizer=None,
+                                rotation=fit)
+    got = (seen["docs"], seen["tokens"], seen["steps"], seen["queries"], seen["held_out"])
+    assert got == (1, 128, 3, 16, 1)
+    meta = json.loads((tmp_path / "r.json").read_text())
+    assert meta["rotation_fit"] == {"docs": 1, "tokens": 128, "steps": 3, "queries": 16}
+    with pytest.raises(ValueError, match="steps = 0 must be at least 1"):
+        RotationFit(steps=0)

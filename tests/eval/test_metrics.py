@@ -157,6 +157,30 @@ def test_reference_reused_gives_the_same_numbers(tiny_model, ids, mode, monkeypa
         _run(tiny_model, ids, ["int8"], "cache", reference={"hidden": kept[0]["hidden"][:, :10]})
 
 
+def test_prefill_schemes_share_one_fp_prompt_forward_and_equal_each_alone(tiny_model, ids, monkeypatch):
+    """With the reference read from its cache, prefill mode runs the FP prompt forward once for every
+    scheme (not once per scheme) and scores the prompt's predictions once; each scheme's numbers equal
+    its own run alone, bit for bit."""
+    from kvquant.eval import measure
+
+    kept = []
+    _run(tiny_model, ids, ["int8"], "prefill", prefill=64, on_reference=kept.append)
+    names = ["int2-g32", "int4-g32", "k=int8,v=int4-g32"]
+    alone = {n: _run(tiny_model, ids, [n], "prefill", prefill=64, reference=kept[0])[n] for n in names}
+    forwards, heads = [], []
+    real, real_logits = measure._hidden, scoring.logits
+    monkeypatch.setattr(measure, "_hidden", lambda m, x, c: (forwards.append(x.shape[1]), real(m, x, c))[1])
+    monkeypatch.setattr(scoring, "logits", lambda m, h: (heads.append(len(h)), real_logits(m, h))[1])
+    together = _run(tiny_model, ids, names, "prefill", prefill=64, reference=kept[0])
+    assert forwards.count(64) == 1  # the 64-token prompt: one FP forward for the three schemes
+    assert forwards.count(32) == 3 * (LENGTH - 64) // 32  # each scheme decodes the rest in its own cache
+    assert sum(heads) == 64 + 3 * (LENGTH - 1 - 64)  # the prompt chunk's 64 predictions scored once
+    for n in names:
+        for b, st in alone[n].items():
+            got = together[n][b]
+            assert (got.nll, got.kl, got.top1, got.dp_sq) == (st.nll, st.kl, st.top1, st.dp_sq)
+
+
 def test_token_values_match_the_sums(tiny_model, ids):
     out = _run(tiny_model, ids, ["int2-g32"], "cache")
     for st in out["int2-g32"].values():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -262,7 +263,7 @@ def test_sweep_shards_and_merge_equal_one_process(tiny4_dir, tiny_corpus, tmp_pa
     one = tmp_path / "one"
     assert cli.main(argv("python experiments/recommend.py --engine vllm --out runs/rec", one)) == 0
     single = capsys.readouterr().out
-    assert "passkey exact" in single
+    assert "passkey exact (128 tok)" in single  # the run's length, raised to a passkey prompt's 128 tokens
     arr = tmp_path / "arr"
     for i in ("1", "0"):
         assert cli.main(argv(REC_SHARD, arr, i)) == 0
@@ -278,3 +279,21 @@ def test_sweep_shards_and_merge_equal_one_process(tiny4_dir, tiny_corpus, tmp_pa
     for mode in ("prefill", "cache", "passkey"):
         assert sorted(p.name for p in (arr / mode).glob("results*.jsonl")) == [
             "results.shard-0-of-2.jsonl", "results.shard-1-of-2.jsonl"]
+
+
+def test_passkey_column_takes_its_own_length_from_a_grown_grid():
+    """A passkey directory grown with another length (an earlier run's) keeps both; the column reads the
+    requested length's rows, over depths, and names the length."""
+    from kvquant.eval.recommend import _add_passkey
+
+    retrieval = [
+        {"scheme": "int8", "length": "1024", "depth": "all", "exact_match": 1.0, "status": "ok"},
+        {"scheme": "int8", "length": "32768", "depth": "all", "exact_match": 1 / 3, "status": "ok"},
+        {"scheme": "int8", "length": "32768", "depth": "0.5", "exact_match": 0.0, "status": "ok"},
+        {"scheme": "int8", "length": "all", "depth": "all", "exact_match": 2 / 3, "status": "ok"},
+        {"scheme": "int2", "length": "32768", "depth": "all", "exact_match": 1.0, "status": "failed"},
+    ]
+    rows = [{"label": "int8"}, {"label": "int2"}, {"label": "fp8"}]
+    _add_passkey(rows, retrieval, 32768)
+    assert rows[0]["passkey"] == 1 / 3 and rows[0]["passkey_length"] == 32768
+    assert math.isnan(rows[1]["passkey"]) and math.isnan(rows[2]["passkey"])  # failed; not measured

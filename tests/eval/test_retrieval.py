@@ -96,6 +96,32 @@ def test_unquantized_cache_scores_as_the_reference(tiny_model, tokenizer, filler
         assert q.cache_bytes < fp.cache_bytes
 
 
+def test_prefill_probe_shares_one_fp_prompt_forward(tiny_model, tokenizer, filler, monkeypatch, tmp_path):
+    """In prefill mode a probe's schemes store from one FP prompt forward (left unchanged by them), and the
+    reference decodes on in it last: every outcome equals the probe scored alone, and the grid runs one
+    prompt forward per probe."""
+    from kvquant.eval import results as res
+    from kvquant.eval import retrieval
+
+    probe = make_probe("passkey", tokenizer, filler, 200, 0.5, 0)
+    schemes = [parse_eval_scheme(n) for n in ("int2-g32", "int4-g32")]
+    alone = [score_probe(tiny_model, probe, s, mode="prefill") for s in [*schemes, None]]
+    prompt = retrieval.prompt_forward(tiny_model, probe)
+    shared = [score_probe(tiny_model, probe, s, mode="prefill", prompt=prompt) for s in [*schemes, None]]
+    assert shared == alone
+    assert shared[0].answer_logprob != shared[1].answer_logprob  # the schemes really differ
+    forwards = []
+    real = retrieval.prompt_forward
+    monkeypatch.setattr(retrieval, "prompt_forward", lambda m, p: (forwards.append(p.cell), real(m, p))[1])
+    config = RunConfig(schemes=("int2-g32", "int4-g32"), task="passkey", mode="prefill", lengths=(200,),
+                       depths=(0.0, 1.0), trials=1, chunk=64)
+    results = res.RunResults(tmp_path)
+    probes = {p.cell: p for p in (make_probe("passkey", tokenizer, filler, 200, d, 0) for d in (0.0, 1.0))}
+    retrieval._measure(config, tiny_model, [parse_eval_scheme(n) for n in config.schemes], probes, results)
+    assert sorted(forwards) == sorted(probes)  # one per probe, not one per (probe, scheme)
+    assert len(results.rows) == 3 * len(probes)
+
+
 def test_summary_pairs_points_with_the_reference():
     def row(scheme, length, depth, trial, exact, lp, greedy):
         return {

@@ -359,6 +359,31 @@ def test_drift_plot_stands_alone():
     assert len(plain.axes[0].collections) == 0 and "PARTIAL" not in plain._suptitle.get_text()
 
 
+def test_prefill_plot_leaves_out_the_prompt_buckets_exact_by_construction():
+    """In prefill mode the prompt goes through the FP forward: its buckets' 0% is not a measurement, so the
+    drift plot shades the prompt's span instead of drawing points there (only the decoded buckets)."""
+    import dataclasses
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    rows = [dict(r, mode="prefill") for r in _summary_rows(with_band=True) if r["mode"] == "cache"]
+    fig = res.plot_drift(rows, dataclasses.replace(INFO, prefill=16384))
+    ax, kax = fig.axes
+    assert ax.get_title() == "mode: prefill, decoded after a 16,384-token prompt"
+    curves = [ln for ln in ax.get_lines() if not ln.get_label().startswith("_")]  # not the zero axis
+    assert len(curves) == 2 and all(list(ln.get_xdata()) == [32768] for ln in curves)
+    assert len(ax.patches) == 1 and ax.patches[0].get_x() == 256  # the shaded prompt span, 256 .. 16k
+    xs, ys = ax.containers[0].lines[2][0].get_segments()[0].T  # one point: its interval as an error bar
+    assert list(xs) == [32768, 32768]
+    assert list(ys) == pytest.approx([100 * (0.16 - 0.01), 100 * (0.16 + 0.01)])
+    fig.canvas.draw()
+    assert "16k" in [t.get_text() for t in kax.get_xticklabels()]
+    whole = res.plot_drift(rows, INFO)  # no prompt length known: every bucket drawn, as before
+    curves = [ln for ln in whole.axes[0].get_lines() if not ln.get_label().startswith("_")]
+    assert len(curves) == 2 and all(len(ln.get_xdata()) == 8 for ln in curves)
+
+
 def test_drift_plot_names_its_reference():
     """The y-axis and title name the run's reference as config.json's scheme_names does (fp32 on the CPU)."""
     import dataclasses
