@@ -1,4 +1,4 @@
-"""The research quantizers' target table (issue 10), judged on 95% intervals, from finished run directories.
+"""The research quantizers' target table (issues 10 and 24), judged on 95% intervals, from finished runs.
 
     python benchmarks/issue10_targets.py runs/issue10-8k runs/issue11-8k runs/allocation-3.0-8k
 
@@ -86,7 +86,8 @@ def short(scheme: str) -> str:
     if scheme.startswith("layers="):
         ranges = scheme.split(",")[0].count("+") + 1
         return f"per-layer allocation ({ranges} ranges; scheme in the CSV)"
-    return scheme.replace(",calib=calib/smollm2-nuq.safetensors", ",calib=…")
+    return scheme.replace(",calib=calib/smollm2-nuq.safetensors", ",calib=…").replace(
+        ",calib=calib/smollm2-mixed.safetensors", ",calib=…")
 
 
 def pct(x: float) -> str:
@@ -129,6 +130,19 @@ def verdicts(rows: list[Row], buckets: list[str]) -> list[str]:
             b.max_point <= 0.10 and late[0] <= early[0], b.max_hi <= 0.10 and late[1] <= early[2],
             f"`{short(b.scheme)}`: bound {pct(b.max_hi)}; last bucket {pct(late[0])} "
             f"[{pct(late[1])}, {pct(late[2])}] vs 1k-2k {pct(early[0])} [{pct(early[1])}, {pct(early[2])}]")
+    for bound, target, flat in ((3.0, 0.01, False), (2.5, 0.03, True), (2.3, 0.08, False)):  # issue 24's
+        b = best(rows, bound)
+        if b is None:
+            continue
+        late = b.drift(buckets[-1])
+        early = b.drift("1k-2k") if "1k-2k" in b.buckets else b.drift(buckets[0])
+        name = f"best <= {bound}-bit: <= {100 * target:.1f}% every bucket"
+        name += ", not growing 1k->8k" if flat else ""
+        grows = f"; last bucket {pct(late[0])} vs 1k-2k {pct(early[0])}" if flat else ""
+        say(f"{name} (issue 24)",
+            b.max_point <= target and (not flat or late[0] <= early[0]),
+            b.max_hi <= target and (not flat or late[1] <= early[2]),
+            f"`{short(b.scheme)}` ({b.bits:.2f} b): worst {pct(b.max_point)}, bound {pct(b.max_hi)}{grows}")
     int8 = [r for r in rows if r.scheme.startswith("int8")]
     if int8:
         low = min(int8, key=lambda r: r.kl[0])
@@ -189,7 +203,7 @@ def main() -> None:
         lines.append(f"| `{short(r.scheme)}` | {r.bits:.2f} | " + " | ".join(cells)
                      + f" | {k[0]:.2e} [{k[1]:.2e}, {k[2]:.2e}] | {float(r.whole['top1_agree']):.3f} |")
     md = [
-        "# Issue 10 targets (cache mode, decode-exact)",
+        "# Issue 10 and issue 24 targets (cache mode, decode-exact)",
         "",
         f"Runs: {', '.join(str(d) for d in args.runs)}; documents per run: "
         + ", ".join(f"{k} {v}" for k, v in docs_of.items()) + f"; documents shared: {docs}.",
