@@ -61,6 +61,7 @@ TASKS = ("ppl", *RETRIEVAL_TASKS)
 DEFAULT_LENGTHS = (1024, 2048, 4096)  # retrieval prompt lengths, tokens
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the key sits in the filler: 0 first, 1 last
 DEFAULT_TRIALS = 3  # keys (and filler offsets) per grid cell
+ANSWER_ROOM = 16  # positions a retrieval prompt leaves the model for its answer's tokens
 MIN_RETRIEVAL_LENGTH = 128  # the prompt's instruction, key and question take ~60 tokens
 MODES = ("cache", "fake", "prefill")  # kvquant.eval.measure.MODES; a test keeps the two equal
 MODE_CHOICES = (*MODES, "both", "all")  # both: cache and fake; all: the three

@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .config import RunConfig, RunError, Shard, model_facts
+from .config import ANSWER_ROOM, RunConfig, RunError, Shard, model_facts
 
 __all__ = [
     "ENGINES",
@@ -308,8 +308,8 @@ def recommend(
     (`part_only`); merge (`--merge`) measures nothing and ranks from every shard's results. passkey: also a
     passkey grid in prefill mode (one length, depths 0, 0.5, 1, one trial; its own run directory), whose
     exact-match rate becomes a column of the table (not a criterion of the pick); passkey_length: its prompt
-    length (default: the run's length, the longest context measured; at least 128 tokens, the run's length
-    where shorter only when that leaves 128). export: a folder for vLLM's
+    length (default: the run's length, the longest context measured, less the answer's room where the run
+    fills the model's positions; at least 128 tokens). export: a folder for vLLM's
     calibrated FP8 k_scale / v_scale (module docstring), scored as the row `fp8 (calibrated)`."""
     from .runner import run
 
@@ -325,9 +325,7 @@ def recommend(
         chunk = chunk or 256
         docs = docs or 1
     length = max_length or facts.positions or 8192
-    if passkey_length is not None and passkey_length < 128:
-        raise RunError(f"--passkey-length {passkey_length}: a passkey prompt needs at least 128 tokens")
-    pk_length = max(min(length, passkey_length or length), 128) if passkey else None
+    pk_length = passkey_prompt_length(length, passkey_length, facts.positions) if passkey else None
     plan = _drop_idle(plan, min(length, pk_length or length))
     corpus = corpus or ("shakespeare" if length > 16384 else "wikipedia")
     default = _slug(f"{engine}-{Path(plan.model_name).name}-{length}" + ("-quick" if quick else ""))
@@ -359,6 +357,15 @@ def recommend(
                          exported=exported)
     _write(rec)
     return rec
+
+
+def passkey_prompt_length(length: int, requested: int | None, positions: int | None) -> int:
+    """The passkey column's prompt length: `requested` (default the run's `length`, the longest context
+    measured), at most the run's length and the model's positions less the answer's room, at least 128."""
+    if requested is not None and requested < 128:
+        raise RunError(f"--passkey-length {requested}: a passkey prompt needs at least 128 tokens")
+    longest = positions - ANSWER_ROOM if positions else length  # the answer's tokens need positions too
+    return max(min(length, requested or length, longest), 128)
 
 
 EXPORT_DOCS, EXPORT_LENGTH = 8, 2048  # calibration text of --export (experiments/export_scales.py's defaults)

@@ -47,7 +47,7 @@ import torch
 
 from . import harness, metrics, scoring
 from . import results as res
-from .config import Progress, RunConfig, RunError, validate
+from .config import ANSWER_ROOM, Progress, RunConfig, RunError, validate
 from .data import CorpusError, load_corpus
 from .measure import REFERENCE, _hidden, cache_nbytes, make_cache, steps, store_prefill
 from .schemes import EvalScheme
@@ -392,7 +392,7 @@ def run_retrieval(config: RunConfig, *, model=None, tokenizer=None) -> tuple[Pat
 
 
 def _check_lengths(config: RunConfig, model, schemes) -> None:
-    longest = max(config.grid_lengths) + 16  # the answer's tokens follow the prompt
+    longest = max(config.grid_lengths) + ANSWER_ROOM  # the answer's tokens follow the prompt
     from kvquant.quirks import max_positions
 
     max_pos = max_positions(model.config)

@@ -297,3 +297,15 @@ def test_passkey_column_takes_its_own_length_from_a_grown_grid():
     _add_passkey(rows, retrieval, 32768)
     assert rows[0]["passkey"] == 1 / 3 and rows[0]["passkey_length"] == 32768
     assert math.isnan(rows[1]["passkey"]) and math.isnan(rows[2]["passkey"])  # failed; not measured
+
+
+def test_passkey_prompt_length_leaves_the_answer_its_positions():
+    from kvquant.eval.recommend import passkey_prompt_length
+
+    assert passkey_prompt_length(32768, None, 32768) == 32768 - 16  # a run that fills the model: answer room
+    assert passkey_prompt_length(8192, None, 32768) == 8192  # the run's length, the longest measured
+    assert passkey_prompt_length(8192, 4096, 32768) == 4096
+    assert passkey_prompt_length(8192, 100_000, None) == 8192
+    assert passkey_prompt_length(64, None, 32768) == 128  # a passkey prompt's floor
+    with pytest.raises(RunError, match="at least 128 tokens"):
+        passkey_prompt_length(8192, 64, None)
