@@ -349,6 +349,7 @@ def recommend(
                               exported=exported)
     retrieval = summaries.pop("passkey", None)
     rows = _merge(plan, summaries)
+    _decoded_only(rows, configs["prefill"].prefill_length)
     if retrieval is not None:
         _add_passkey(rows, retrieval, pk_length)
     ranked, pick, better = _rank(rows, tolerance, facts, gpu, weights_gb, length)
@@ -498,6 +499,23 @@ def _merge(plan: Plan, summaries: dict[str, list[dict]]) -> list[dict]:
     return out
 
 
+def _decoded_only(rows: list[dict], prompt: int) -> None:
+    """Prefill mode's numbers over the decoded tokens only: the buckets inside the P-token prompt went through
+    the FP forward (zero error by construction, not a measurement) leave `prefill_buckets`, and `prefill_kl`
+    / `prefill_kl_p99` are the decoded buckets' (KL token-weighted; p99 the largest of theirs, exact when
+    one bucket is decoded, as with the default P = half the length). The `all` row's KL averages the
+    prompt's zeros in, halving it at the default P."""
+    for r in rows:
+        decoded = [b for b in r.get("prefill_buckets", []) if int(b["bucket_end"]) > prompt]
+        r["prefill_buckets"] = decoded
+        tokens = sum(int(b.get("tokens", 0) or 0) for b in decoded)
+        kl = [float(b.get("kl", math.nan)) for b in decoded]
+        r["prefill_kl"] = (sum(k * int(b.get("tokens", 0) or 0) for k, b in zip(kl, decoded, strict=True))
+                           / tokens if tokens else math.nan)
+        r["prefill_kl_p99"] = max((float(b.get("kl_p99", math.nan)) for b in decoded), default=math.nan)
+        r["prompt"] = prompt
+
+
 def _rank(rows, tol, facts, gpu, weights_gb, length):
     from kvquant import memory
     from kvquant.scheme import parse_scheme
@@ -510,7 +528,7 @@ def _rank(rows, tol, facts, gpu, weights_gb, length):
     for r in rows:
         p = r.get("prefill") or {}
         r["ok"] = p.get("status") == "ok" and _within(r["prefill_buckets"], tol)
-        r["kl"] = p.get("kl", math.nan)
+        r["kl"] = r.get("prefill_kl", p.get("kl", math.nan))  # the decoded tokens' (`_decoded_only`)
         r["bytes"] = p.get("bytes_per_token", math.nan)
         r["requests"] = None
         if shape is not None and budget > 0:
@@ -560,8 +578,10 @@ def _table(ranked, plan: Plan, gpu: str, length: int, tol: float) -> str:
             if b["bucket"] not in buckets:
                 buckets.append(b["bucket"])
     passkey = next((r["passkey_length"] for r in ranked if "passkey" in r), None)
+    prompt = next((r["prompt"] for r in ranked if "prompt" in r), 0)
+    decoded = f" (decoded after {prompt:,})" if prompt else ""
     head = (["#", "format", "kind", "bits"] + [f"prefill drift {b}" for b in buckets]
-            + ["prefill KL", "KL p99", "cache drift", "cache KL",
+            + [f"prefill KL{decoded}", "KL p99", "cache drift", "cache KL",
                *([f"passkey exact ({passkey:,} tok)"] if passkey else []),
                "B/token", f"requests ({gpu}, {length:,} tok)", f"within ±{100 * tol:g}%"])
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -572,7 +592,8 @@ def _table(ranked, plan: Plan, gpu: str, length: int, tol: float) -> str:
         label = c.label + (f" ({c.note})" if c.note else "")
         cells = [str(i), label, c.kind, f"{p.get('effective_bits', math.nan):.2f}"]
         cells += [per.get(b, "n/a") for b in buckets]
-        cells += [f"{p.get('kl', math.nan):.5f}", f"{p.get('kl_p99', math.nan):.4f}",
+        cells += [f"{r.get('prefill_kl', p.get('kl', math.nan)):.5f}",
+                  f"{r.get('prefill_kl_p99', p.get('kl_p99', math.nan)):.4f}",
                   _interval(ca, "drift"), f"{ca.get('kl', math.nan):.5f}"]
         if passkey:
             pk = r.get("passkey", math.nan)

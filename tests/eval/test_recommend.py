@@ -309,3 +309,21 @@ def test_passkey_prompt_length_leaves_the_answer_its_positions():
     assert passkey_prompt_length(64, None, 32768) == 128  # a passkey prompt's floor
     with pytest.raises(RunError, match="at least 128 tokens"):
         passkey_prompt_length(8192, 64, None)
+
+
+def test_prefill_numbers_are_the_decoded_tokens():
+    """Prefill mode's prompt buckets (FP forward, zero error by construction) leave the table, and the KL
+    shown and ranked on is the decoded buckets', not the whole document's (which averages the zeros in)."""
+    from kvquant.eval.recommend import _decoded_only
+
+    def bucket(start, end, kl, p99, tokens):
+        return {"bucket": f"{start}-{end}", "bucket_end": str(end), "kl": kl, "kl_p99": p99, "tokens": tokens,
+                "drift": 0.0 if end <= 4096 else 0.01}
+
+    row = {"prefill_buckets": [bucket(0, 2048, 0.0, 0.0, 2047), bucket(2048, 4096, 0.0, 0.0, 2048),
+                               bucket(4096, 6144, 0.02, 0.3, 2048), bucket(6144, 8192, 0.04, 0.5, 2047)],
+           "prefill": {"kl": 0.015, "kl_p99": 0.2}}
+    _decoded_only([row], 4096)
+    assert [b["bucket"] for b in row["prefill_buckets"]] == ["4096-6144", "6144-8192"]
+    assert row["prefill_kl"] == pytest.approx((0.02 * 2048 + 0.04 * 2047) / 4095)
+    assert row["prefill_kl_p99"] == 0.5 and row["prompt"] == 4096
