@@ -226,6 +226,13 @@ def _hidden(model, ids: torch.Tensor, cache: Cache, position: int = 0) -> torch.
     return out.last_hidden_state
 
 
+def fp_prompt(model, ids: torch.Tensor) -> tuple[Cache, torch.Tensor]:
+    """Prefill mode's FP forward of a prompt ids (B, t): its DynamicCache and last hidden states (B, t,
+    hidden). One serves every scheme: each stores (quantizes) the same K/V from it (`store_prefill`)."""
+    fp_cache = make_cache(None, model.config, "prefill")
+    return fp_cache, _hidden(model, ids, fp_cache)
+
+
 def store_prefill(cache: Cache, fp_cache: Cache) -> None:
     """Store what an FP prefill left in `fp_cache` (a DynamicCache) into `cache`, layer by layer: the
     scheme's cache quantizes it as it would any update (sink FP, body encoded, window FP)."""
@@ -345,8 +352,7 @@ def _scheme_hiddens(
                     out[r.label] = _hidden(model, piece, r.cache)
             elif prefilling:
                 if shared is None:  # the reference was read, not run: one FP forward of the prompt here
-                    fp_cache = make_cache(None, model.config, "prefill")
-                    shared = (fp_cache, _hidden(model, piece, fp_cache))
+                    shared = fp_prompt(model, piece)
                 fp_cache, out[r.label] = shared
                 store_prefill(r.cache, fp_cache)
             else:

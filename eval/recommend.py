@@ -326,7 +326,7 @@ def recommend(
         docs = docs or 1
     length = max_length or facts.positions or 8192
     pk_length = passkey_prompt_length(length, passkey_length, facts.positions) if passkey else None
-    plan = _drop_idle(plan, min(length, pk_length or length))
+    plan = _drop_idle(plan, pk_length or length)  # pk_length <= length
     corpus = corpus or ("shakespeare" if length > 16384 else "wikipedia")
     default = _slug(f"{engine}-{Path(plan.model_name).name}-{length}" + ("-quick" if quick else ""))
     root = Path(out) if out else Path("runs") / "recommend" / default
@@ -349,11 +349,12 @@ def recommend(
                               exported=exported)
     retrieval = summaries.pop("passkey", None)
     rows = _merge(plan, summaries)
-    _decoded_only(rows, configs["prefill"].prefill_length)
+    prompt = configs["prefill"].prefill_length
+    _decoded_only(rows, prompt)
     if retrieval is not None:
         _add_passkey(rows, retrieval, pk_length)
     ranked, pick, better = _rank(rows, tolerance, facts, gpu, weights_gb, length)
-    table = _table(ranked, plan, gpu, length, tolerance)
+    table = _table(ranked, plan, gpu, length, tolerance, prompt)
     rec = Recommendation(plan, ranked, pick, better, table, root, time.perf_counter() - t0, run_dirs,
                          exported=exported)
     _write(rec)
@@ -508,12 +509,10 @@ def _decoded_only(rows: list[dict], prompt: int) -> None:
     for r in rows:
         decoded = [b for b in r.get("prefill_buckets", []) if int(b["bucket_end"]) > prompt]
         r["prefill_buckets"] = decoded
-        tokens = sum(int(b.get("tokens", 0) or 0) for b in decoded)
-        kl = [float(b.get("kl", math.nan)) for b in decoded]
-        r["prefill_kl"] = (sum(k * int(b.get("tokens", 0) or 0) for k, b in zip(kl, decoded, strict=True))
-                           / tokens if tokens else math.nan)
+        weights = [int(b.get("tokens", 0) or 0) for b in decoded]
+        kl = sum(float(b.get("kl", math.nan)) * w for b, w in zip(decoded, weights, strict=True))
+        r["prefill_kl"] = kl / sum(weights) if sum(weights) else math.nan
         r["prefill_kl_p99"] = max((float(b.get("kl_p99", math.nan)) for b in decoded), default=math.nan)
-        r["prompt"] = prompt
 
 
 def _rank(rows, tol, facts, gpu, weights_gb, length):
@@ -571,14 +570,13 @@ def _rank(rows, tol, facts, gpu, weights_gb, length):
     return ranked, pick, better
 
 
-def _table(ranked, plan: Plan, gpu: str, length: int, tol: float) -> str:
+def _table(ranked, plan: Plan, gpu: str, length: int, tol: float, prompt: int = 0) -> str:
     buckets = []
     for r in ranked:
         for b in r["prefill_buckets"]:
             if b["bucket"] not in buckets:
                 buckets.append(b["bucket"])
     passkey = next((r["passkey_length"] for r in ranked if "passkey" in r), None)
-    prompt = next((r["prompt"] for r in ranked if "prompt" in r), 0)
     decoded = f" (decoded after {prompt:,})" if prompt else ""
     head = (["#", "format", "kind", "bits"] + [f"prefill drift {b}" for b in buckets]
             + [f"prefill KL{decoded}", "KL p99", "cache drift", "cache KL",

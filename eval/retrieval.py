@@ -49,7 +49,7 @@ from . import harness, metrics, scoring
 from . import results as res
 from .config import ANSWER_ROOM, Progress, RunConfig, RunError, validate
 from .data import CorpusError, load_corpus
-from .measure import REFERENCE, _hidden, cache_nbytes, make_cache, steps, store_prefill
+from .measure import REFERENCE, _hidden, cache_nbytes, fp_prompt, make_cache, steps, store_prefill
 from .schemes import EvalScheme
 
 __all__ = [
@@ -251,8 +251,8 @@ def prompt_forward(model, probe: Probe) -> tuple[object, torch.Tensor]:
     """Prefill mode's FP forward of a probe's whole prompt: its DynamicCache and the last position's hidden
     state (1, 1, hidden). Every scheme stores (quantizes) the same K/V from it, so one forward serves them."""
     ids = torch.tensor([probe.ids], dtype=torch.long, device=next(model.parameters()).device)
-    fp_cache = make_cache(None, model.config, "prefill")
-    return fp_cache, _hidden(model, ids, fp_cache)[:, -1:]
+    fp_cache, hidden = fp_prompt(model, ids)
+    return fp_cache, hidden[:, -1:]
 
 
 @torch.inference_mode()

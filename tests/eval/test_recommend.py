@@ -263,7 +263,8 @@ def test_sweep_shards_and_merge_equal_one_process(tiny4_dir, tiny_corpus, tmp_pa
     one = tmp_path / "one"
     assert cli.main(argv("python experiments/recommend.py --engine vllm --out runs/rec", one)) == 0
     single = capsys.readouterr().out
-    assert "passkey exact (128 tok)" in single  # the run's length, raised to a passkey prompt's 128 tokens
+    assert "passkey exact (128 tok)" in single
+    assert "prefill KL (decoded after 32)" in single  # the prompt's P = 32 of 64 tokens named  # the run's length, raised to a passkey prompt's 128 tokens
     arr = tmp_path / "arr"
     for i in ("1", "0"):
         assert cli.main(argv(REC_SHARD, arr, i)) == 0
@@ -326,4 +327,4 @@ def test_prefill_numbers_are_the_decoded_tokens():
     _decoded_only([row], 4096)
     assert [b["bucket"] for b in row["prefill_buckets"]] == ["4096-6144", "6144-8192"]
     assert row["prefill_kl"] == pytest.approx((0.02 * 2048 + 0.04 * 2047) / 4095)
-    assert row["prefill_kl_p99"] == 0.5 and row["prompt"] == 4096
+    assert row["prefill_kl_p99"] == 0.5
