@@ -263,8 +263,8 @@ def test_sweep_shards_and_merge_equal_one_process(tiny4_dir, tiny_corpus, tmp_pa
     one = tmp_path / "one"
     assert cli.main(argv("python experiments/recommend.py --engine vllm --out runs/rec", one)) == 0
     single = capsys.readouterr().out
-    assert "passkey exact (128 tok)" in single
-    assert "prefill KL (decoded after 32)" in single  # the prompt's P = 32 of 64 tokens named  # the run's length, raised to a passkey prompt's 128 tokens
+    assert "passkey exact (128 tok)" in single  # the run's length, raised to a passkey prompt's 128 tokens
+    assert "prefill KL (decoded after 32)" in single  # the prompt's P = 32 of 64 tokens, named
     arr = tmp_path / "arr"
     for i in ("1", "0"):
         assert cli.main(argv(REC_SHARD, arr, i)) == 0
