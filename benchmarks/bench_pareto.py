@@ -1,5 +1,6 @@
 """Bits per value vs quality (issue 24): uniform recipes, TurboQuant, the calibrated rotation (-crot) and the
-per-layer allocation (budget=B) at 2.5 / 3 / 3.5 effective bits, on one table with 95% intervals.
+per-layer allocation (budget=B) at 2.0 / 2.3 / 2.5 / 3.0 / 3.5 / 4.5 effective bits, on one table and one
+two-panel plot (KL and the longest bucket's drift against bits) with 95% intervals.
 
 Measure with the run harness (cache mode: decode-exact), then tabulate the run directories:
 
@@ -37,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from issue10_targets import Row, load, pct  # noqa: E402  (one reader of run directories)
 
 OUT = Path(__file__).resolve().parent / "results"
-LEVELS = (2.5, 3.0, 3.5)
+LEVELS = (2.0, 2.3, 2.5, 3.0, 3.5, 4.5)  # issue 24's budgets (2.3: where OSCAR-style INT2 stands)
 
 
 def family(scheme: str) -> str:
@@ -56,7 +57,7 @@ def family(scheme: str) -> str:
 
 def level(bits: float) -> float | None:
     """The budget a row competes at: the smallest of LEVELS it fits under, with 0.1 bit of slack (turbo2.5 is
-    3.06 bits at D = 64: its two fp16 norms); the table shows the exact bits."""
+    3.06 bits at D = 64: its two fp16 norms; turbo3.5 is 4.06, at 4.5); the table shows the exact bits."""
     for b in LEVELS:
         if bits <= b + 0.1 + 1e-9:
             return b
@@ -78,7 +79,9 @@ def front(rows: list[Row]) -> set[str]:
     return out
 
 
-def plot(rows: list[Row], path: Path) -> bool:
+def plot(rows: list[Row], last: str, path: Path) -> bool:
+    """Two panels over effective bits, each point with its 95% interval: KL per token (log) and the drift of
+    the longest bucket `last` (symlog: 0 and the collapses on one axis)."""
     try:
         import matplotlib
 
@@ -86,21 +89,30 @@ def plot(rows: list[Row], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
     for fam, marker in (("uniform", "o"), ("TurboQuant", "s"), ("calibrated rotation", "^"),
                         ("allocation (budget=B)", "D"), ("saliency (salient=N/G)", "v"),
                         ("RoPE blocks (rbq)", "P")):
         mine = [r for r in rows if family(r.scheme) == fam]
         if not mine:
             continue
-        ax.errorbar([r.bits for r in mine], [r.kl[0] for r in mine],
+        bits = [r.bits for r in mine]
+        ax.errorbar(bits, [r.kl[0] for r in mine],
                     yerr=[[r.kl[0] - r.kl[1] for r in mine], [r.kl[2] - r.kl[0] for r in mine]],
                     fmt=marker, capsize=3, label=fam)
+        d = [[100 * x for x in r.drift(last)] for r in mine]  # (point, lo, hi) in %
+        bx.errorbar(bits, [x for x, _, _ in d], yerr=[[x - lo for x, lo, _ in d], [hi - x for x, _, hi in d]],
+                    fmt=marker, capsize=3, label=fam)
     ax.set_yscale("log")
-    ax.set_xlabel("effective bits per K/V value (FP16 scales)")
     ax.set_ylabel("KL(fp16 || scheme) per token, 95% interval")
-    ax.set_title("KV-cache quantization: bits vs KL (cache mode, decode-exact)")
-    ax.grid(True, which="both", alpha=0.3)
+    ax.set_title("bits vs KL (cache mode, decode-exact)")
+    bx.set_yscale("symlog", linthresh=1.0)
+    bx.axhline(0.0, color="grey", lw=0.8)
+    bx.set_ylabel(f"perplexity drift at {last} (%), 95% interval")
+    bx.set_title(f"bits vs drift of the longest bucket ({last})")
+    for a in (ax, bx):
+        a.set_xlabel("effective bits per K/V value (FP16 scales)")
+        a.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -124,7 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     rows, buckets, docs = load(args.runs)
     rows = [r for r in rows if level(r.bits) is not None]
     if not rows:
-        raise SystemExit("no finished cache-mode scheme at <= 3.6 bits in " + ", ".join(map(str, args.runs)))
+        raise SystemExit(f"no finished cache-mode scheme at <= {LEVELS[-1] + 0.1} bits in "
+                         + ", ".join(map(str, args.runs)))
     rows.sort(key=lambda r: (level(r.bits), r.kl[0]))
     on_front = front(rows)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -181,9 +194,9 @@ def main(argv: list[str] | None = None) -> int:
         *best,
         "",
     ]
-    (OUT / f"{args.name}.md").write_text("\n".join(md), encoding="utf-8")
-    if plot(rows, OUT / f"{args.name}.png"):
+    if plot(rows, buckets[-1], OUT / f"{args.name}.png"):
         md.append(f"Plot: benchmarks/results/{args.name}.png")
+    (OUT / f"{args.name}.md").write_text("\n".join(md), encoding="utf-8")
     print("\n".join(md))
     return 0 if all(math.isfinite(r.kl[0]) for r in rows) else 1
 
