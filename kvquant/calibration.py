@@ -167,11 +167,12 @@ def save_calibration(
     path: str | os.PathLike, tables: dict[str, torch.Tensor], meta: dict
 ) -> tuple[Path, Path]:
     """Write NAME.safetensors (tables) and NAME.json (meta, plus the format tag and the table names)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     st, js = _paths(path)
     st.parent.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.detach().float().contiguous().cpu() for n, t in tables.items()}, str(st))
+    # bytes written by Python (the umask's mode): save_file's files are owner-only (0600), unlike the .json
+    st.write_bytes(save({n: t.detach().float().contiguous().cpu() for n, t in tables.items()}))
     meta = {"format": FORMAT, **meta, "tables": sorted(tables)}
     js.write_text(json.dumps(meta, indent=1) + "\n")
     return st, js

@@ -228,18 +228,19 @@ def save_kv_scales(
 ) -> Path:
     """Write DIR/kv_scales.safetensors (the checkpoint tensors) and DIR/kv_cache_scheme.json (the config.json
     fragment, with what produced the scales). Returns the safetensors path."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / SCALES_FILE
     info = {"fp8": scales.fp8, "strategy": scales.strategy, "prefix": prefix, **(metadata or {})}
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # replaced at once: a reader never sees half
-    save_file(
+    # bytes written by Python, not save_file: its files are owner-only (0600), which an engine running as
+    # another user cannot read; these take the umask's mode, as every other file written here
+    tmp.write_bytes(save(
         {n: t.contiguous() for n, t in scales.tensors(dtype, prefix).items()},
-        str(tmp),
         metadata={k: json.dumps(v) if not isinstance(v, str) else v for k, v in info.items()},
-    )
+    ))
     tmp.replace(path)
     fragment = {"quantization_config": {"quant_method": "compressed-tensors",
                                         "kv_cache_scheme": kv_cache_scheme(scales.strategy)},

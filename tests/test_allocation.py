@@ -154,7 +154,8 @@ def test_budget_item_resolves_through_the_calibration_file(tmp_path):
 
     path = str(tmp_path / "c.safetensors")
     levels = {"codebook/0/k/nuq2-g32": torch.linspace(-1, 1, 4)}
-    save_calibration(path, levels, metadata("tiny", SHAPE, [], []))
+    st, js = save_calibration(path, levels, metadata("tiny", SHAPE, [], []))
+    assert st.stat().st_mode & 0o777 == js.stat().st_mode & 0o777  # the tables as readable as the JSON
     alloc = parse_scheme("layers=0:int8/int2-g32+1-2:int4-channel-g64/int4-g64,sink=4,window=16")
     store_allocation(path, 4.0, alloc, predicted_kl=1e-3)
     store_allocation(path, 3.0, parse_scheme("int2-g32"))

@@ -61,6 +61,8 @@ def test_written_scales_read_back_with_vllms_names(tmp_path, tiny_model, strateg
     scales = scales_from_absmax(k_amax, v_amax, strategy)
     path = save_kv_scales(scales, tmp_path / "out", dtype=torch.bfloat16, metadata={"model": "tiny"})
     assert path.name == "kv_scales.safetensors"
+    # readable by whoever may read its config fragment (an engine under another user): not save_file's 0600
+    assert path.stat().st_mode & 0o777 == (path.parent / "kv_cache_scheme.json").stat().st_mode & 0o777
     with safe_open(str(path), framework="pt") as f:
         names = sorted(f.keys())
         tensors = {n: f.get_tensor(n) for n in names}
