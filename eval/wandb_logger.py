@@ -167,9 +167,12 @@ def _wandb_config(config: dict, label: str, mode: str, run_dir: Path, task: str)
 
 
 def _settings(wandb):
-    # no system-metrics sampler, no git probing, no console capture: a quick, quiet upload of finished results
+    # no system-metrics sampler, no git probing, no console capture: a quick, quiet upload of finished
+    # results; 5 minutes (not 30 s / 90 s) for the wandb-core service to start and a run to open on a
+    # busy machine
     return wandb.Settings(
-        silent=True, console="off", x_disable_stats=True, disable_git=True, disable_code=True
+        silent=True, console="off", x_disable_stats=True, disable_git=True, disable_code=True,
+        init_timeout=300.0, x_service_wait=300.0,
     )
 
 
