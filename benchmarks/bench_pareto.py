@@ -16,12 +16,20 @@ Measure with the run harness (cache mode: decode-exact), then tabulate the run d
         --scheme budget=3.5,calib=calib/smollm2-crot.safetensors
     python benchmarks/bench_pareto.py runs/pareto_base_1k runs/pareto_crot_1k
 
-Writes benchmarks/results/pareto.{md,csv} (and pareto.png when matplotlib is there): per scheme its family,
-effective bits (FP16 scales, steady state; every row here has no sink and no window, so the bits are the
-codec's own), perplexity drift per position bucket with its 95% interval (bootstrap over documents, then
-tokens: the harness's), KL with its interval, same-top-1, and whether it is on the Pareto front (no other
-row has fewer or equal bits and a KL interval entirely below its own). Only documents every run shares are
-compared (the harness picks documents in a seeded order, so equal --docs and --max-length share them).
+and at the issue's scale (4 articles x 8,192 tokens, with sink=4,window=128; two shards, then --merge; the
+3.0-bit rows are runs/alloc30_8k's, docs/research.md section 4; the 9 schemes are section 5's):
+
+    python experiments/run.py --mode cache --max-length 8192 --docs 4 --out runs/pareto_8k --shard I/2 \\
+        --scheme 'k=nuq2-channel-g128-prerope,v=int2-g64-sym-crot,sink=4,window=128,calib=calib/LOW' ...
+    python benchmarks/bench_pareto.py runs/pareto_8k runs/alloc30_8k --name pareto_8k
+
+(calib/LOW: calib/smollm2-low.safetensors.) Writes benchmarks/results/NAME.{md,csv} (and NAME.png when
+matplotlib is there): per scheme its family, effective bits (FP16 scales, steady state: sink and window
+tokens, kept FP, are not counted; without them the bits are the codec's own), perplexity drift per position
+bucket with its 95% interval (bootstrap over documents, then tokens: the harness's), KL with its interval,
+same-top-1, and whether it is on the Pareto front (no other row has fewer or equal bits and a KL interval
+entirely below its own). Only documents every run shares are compared (the harness picks documents in a
+seeded order, so equal --docs and --max-length share them).
 """
 
 from __future__ import annotations
