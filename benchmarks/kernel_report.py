@@ -52,6 +52,7 @@ ATOL = {"fp16": 2e-4, "bf16": 2e-3}  # tests/kernels/test_decode_attention.py's 
 SCHEMES = {  # report name: (K spec, V spec)
     "fp16": ("fp16", "fp16"),
     "int8": ("int8", "int8"),
+    "int8-g32-sym": ("int8-g32-sym", "int8-g32-sym"),  # q8_0's information in kvquant's aligned fields
     "int4-g64": ("int4-g64", "int4-g64"),
     "int2-g32": ("int2-g32", "int2-g32"),
     "kivi-4": ("int4-channel-g32", "int4-g32"),
@@ -123,7 +124,8 @@ def variants(subset: str) -> list[Variant]:
         return [Variant(s, False, 128, dt) for dt in ("fp16", "bf16")
                 for s in ("int8", "int4-g64", *CODEBOOK)]
     if subset == "engine":  # GGUF blocks and vLLM formats next to int8 and int4-g64 (D=128, fp16 + bf16)
-        return [Variant(s, False, 128, dt) for dt in ("fp16", "bf16") for s in ("int8", "int4-g64", *ENGINE)]
+        return [Variant(s, False, 128, dt) for dt in ("fp16", "bf16")
+                for s in ("int8", "int8-g32-sym", "int4-g64", *ENGINE)]
     if subset == "fp8":
         return [Variant(s, False, 128, dt) for dt in ("fp16", "bf16")
                 for s in ("int8", "int4-g64", "fp8-e4m3", "fp8-e5m2", "fp8-e4m3-tensor")]
