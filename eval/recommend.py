@@ -527,7 +527,7 @@ def _rank(rows, tol, facts, gpu, weights_gb, length):
     for r in rows:
         p = r.get("prefill") or {}
         r["ok"] = p.get("status") == "ok" and _within(r["prefill_buckets"], tol)
-        r["kl"] = r.get("prefill_kl", p.get("kl", math.nan))  # the decoded tokens' (`_decoded_only`)
+        r["kl"] = r["prefill_kl"]  # the decoded tokens' (`_decoded_only`)
         r["bytes"] = p.get("bytes_per_token", math.nan)
         r["requests"] = None
         if shape is not None and budget > 0:
@@ -570,7 +570,7 @@ def _rank(rows, tol, facts, gpu, weights_gb, length):
     return ranked, pick, better
 
 
-def _table(ranked, plan: Plan, gpu: str, length: int, tol: float, prompt: int = 0) -> str:
+def _table(ranked, plan: Plan, gpu: str, length: int, tol: float, prompt: int) -> str:
     buckets = []
     for r in ranked:
         for b in r["prefill_buckets"]:
@@ -590,8 +590,7 @@ def _table(ranked, plan: Plan, gpu: str, length: int, tol: float, prompt: int = 
         label = c.label + (f" ({c.note})" if c.note else "")
         cells = [str(i), label, c.kind, f"{p.get('effective_bits', math.nan):.2f}"]
         cells += [per.get(b, "n/a") for b in buckets]
-        cells += [f"{r.get('prefill_kl', p.get('kl', math.nan)):.5f}",
-                  f"{r.get('prefill_kl_p99', p.get('kl_p99', math.nan)):.4f}",
+        cells += [f"{r['kl']:.5f}", f"{r['prefill_kl_p99']:.4f}",
                   _interval(ca, "drift"), f"{ca.get('kl', math.nan):.5f}"]
         if passkey:
             pk = r.get("passkey", math.nan)
