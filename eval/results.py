@@ -1118,6 +1118,9 @@ def _positive(v: float) -> float:
     return v if v > 0 else math.nan  # a log axis cannot show 0
 
 
+LINE_MARKERS = ("o", "s", "^", "D", "v")  # one per cycle of matplotlib's 10 default colours
+
+
 def plot_drift(summary: list[dict], info: PlotInfo | None = None, reference: str = "fp16"):
     """Perplexity drift (top) and KL (bottom: mean, dashed p99) vs the reference by position (the axis and
     title name it: `info.name(reference)`), one column per mode, log-x; a shaded band where a point has an
@@ -1128,8 +1131,10 @@ def plot_drift(summary: list[dict], info: PlotInfo | None = None, reference: str
     info = info or PlotInfo("", "", 0, 0, "")
     ref_name = info.name(reference)  # e.g. "fp32 (reference)" when the run computes in float32
     modes = _shown_modes(summary) or ["cache"]
+    many = len({r["scheme"] for r in summary}) > 9  # > 8 beside the reference: legends beside the panels
     fig, axes = plt.subplots(
-        2, len(modes), figsize=(6.5 * len(modes), 8.6), squeeze=False, sharey="row", sharex="col",
+        2, len(modes), figsize=((12.0 if many else 6.5) * len(modes), 8.6), squeeze=False, sharey="row",
+        sharex="col",
         layout="constrained", height_ratios=(1.2, 1.0),
     )
     ticks: set[int] = set()
@@ -1148,13 +1153,15 @@ def plot_drift(summary: list[dict], info: PlotInfo | None = None, reference: str
                 ax.text(math.sqrt(min(ends) * prompt), 0.3, note, transform=ax.get_xaxis_transform(),
                         ha="center", va="center", fontsize=8, color="dimgrey")
         has_band = False
-        for scheme in dict.fromkeys(r["scheme"] for r in rows):
+        schemes = list(dict.fromkeys(r["scheme"] for r in rows))
+        for i, scheme in enumerate(schemes):
             pts = sorted((int(r["bucket_end"]), r) for r in rows if r["scheme"] == scheme)
             xs = [x for x, _ in pts]
             ticks.update(xs)
-            (line,) = ax.plot(xs, [100 * r["drift"] for _, r in pts], marker="o", label=info.name(scheme))
+            marker = LINE_MARKERS[i // 10 % len(LINE_MARKERS)]  # colours repeat past 10: markers differ
+            (line,) = ax.plot(xs, [100 * r["drift"] for _, r in pts], marker=marker, label=info.name(scheme))
             color = line.get_color()
-            kax.plot(xs, [_positive(_num(r.get("kl"))) for _, r in pts], marker="o", color=color)
+            kax.plot(xs, [_positive(_num(r.get("kl"))) for _, r in pts], marker=marker, color=color)
             kax.plot(xs, [_positive(_num(r.get("kl_p99"))) for _, r in pts], ls="--", lw=1, color=color,
                      marker="_" if len(xs) == 1 else None)  # a lone p99 needs a marker to show
             bands_of = ((ax, "drift", 100), (kax, "kl", 1))
@@ -1178,7 +1185,10 @@ def plot_drift(summary: list[dict], info: PlotInfo | None = None, reference: str
         decoded = f", decoded after a {prompt:,}-token prompt" if prompt else ""
         ax.set_title(f"mode: {mode}{chunk}{decoded}", fontsize=10)
         if rows:
-            ax.legend(fontsize=8, title="shaded / bars: interval" if has_band else None, title_fontsize=8)
+            # many schemes: the legend beside the panel, where it hides no line and no prompt note
+            beside = dict(loc="upper left", bbox_to_anchor=(1.01, 1.0)) if many else {}
+            ax.legend(fontsize=8, title="shaded / bars: interval" if has_band else None, title_fontsize=8,
+                      **beside)
             kax.set_yscale("log")
     axes[0][0].set_ylabel(f"perplexity drift vs {ref_name} (%)")
     axes[1][0].set_ylabel(f"KL({ref_name} || scheme), nats\nper token: mean (dashed: p99)")

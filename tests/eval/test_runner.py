@@ -466,3 +466,30 @@ def test_report_and_table_use_preset_names(tmp_path, tiny_model, tokenizer, tiny
         "k=int2-channel-g32,v=int2-g32,window=128": "kivi-2",
         "fp16": "fp32 (reference)",  # the reference named for what it computes in
     }
+
+
+def test_drift_plot_tells_apart_more_schemes_than_colours():
+    """Past matplotlib's 10 colours a scheme keeps its colour's twin apart by its marker, and a long legend
+    sits beside the panel (the figure widens for it) instead of over the lines."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    base = [r for r in _summary_rows(with_band=False) if r["mode"] == "cache"]
+    one = [r for r in base if r["scheme"] == "int4-g64"]
+    rows = [r for r in base if r["scheme"] == "fp16"] + [
+        dict(r, scheme=f"int4-g{i}") for i in range(12) for r in one
+    ]
+    fig = res.plot_drift(rows, INFO)
+    ax = fig.axes[0]
+    curves = [ln for ln in ax.get_lines() if not ln.get_label().startswith("_")]
+    assert len(curves) == 12
+    assert curves[0].get_color() == curves[10].get_color()  # the colour cycle repeats ...
+    assert curves[0].get_marker() != curves[10].get_marker()  # ... the marker does not
+    anchor = ax.get_legend().get_bbox_to_anchor().transformed(ax.transAxes.inverted())
+    assert anchor.x0 > 1.0  # beside the axes, not over them
+    small = res.plot_drift(base, INFO)  # the same single mode, three schemes: the legend stays inside
+    assert fig.get_figwidth() > small.get_figwidth()
+    assert (
+        small.axes[0].get_legend().get_bbox_to_anchor().transformed(small.axes[0].transAxes.inverted()).x0
+        <= 0
+    )
