@@ -100,22 +100,36 @@ def engine_layout(codec: EngineCodec) -> EngineKernelLayout:
 
 
 def engine_order(lay: EngineKernelLayout, d: int) -> list[int]:
-    """The element (0..D-1, in the frame the blocks store) that the kernel's channel p decodes, for each p:
-    block b's channels [b * block, (b + 1) * block) hold its elements, its code bytes rotated by
-    r = (b * type_size + header) % 4 (kernel byte j = code byte (j - r) mod code_bytes; the kernel reads an
-    unaligned block from the word before its codes), then in the word helpers' order: 8-bit, one
-    byte per element; 4-bit, byte j's low nibble then its high nibble, which ggml's 32-blocks give elements
-    j and j + 16 and nvfp4's 16-sub-blocks (8 bytes each) elements j and j + 8."""
-    nq, out = lay.code_bytes, []
-    for b in range(d // lay.block):
-        r = (b * lay.type_size + lay.header) % 4
-        for p in range(lay.block):
-            if nq == lay.block:  # a byte per element
-                e = (p - r) % nq
-            else:
-                cb = (p // 2 - r) % nq
-                e = 16 * (cb // 8) + cb % 8 + 8 * (p % 2) if lay.block == 64 else cb + 16 * (p % 2)
-            out.append(b * lay.block + e)
+    """The element (0..D-1, in the frame the blocks store) that each channel of the kernel decodes.
+    Within block b, kernel channel p: its code bytes rotated by r = (b * type_size + header) % a, a = 8 where
+    rows and codes are whole 8-byte words (32-blocks), else 4 (kernel byte j = code byte (j - r) mod
+    code_bytes; the kernel reads an unaligned block from the unit before its codes), then in the word
+    helpers' order: 8-bit, one byte per element; 4-bit, byte j's low nibble then its high nibble, which
+    ggml's 32-blocks give elements j and j + 16 and nvfp4's 16-sub-blocks (8 bytes each) elements j and j + 8.
+    The kernel reads a row in parts (`kernels.engine_blocks.engine_body`: ng groups of blocks x wg groups of
+    each block's words, the same constants) and joins them: part s's channel c is kernel channel
+    s * D / parts + c (q8_0, iq4_nl, mxfp4, nvfp4) or c * parts + s (q4_x, q5_x)."""
+    nq, nb = lay.code_bytes, d // lay.block
+    nqw, vpw = nq // 4, lay.block // (nq // 4)  # code words per block, values per word
+    a = 8 if (nb * lay.type_size) % 8 == 0 and nq % 8 == 0 and lay.block == 32 else 4
+    kid = lay.kernel_id
+    ng = 1 if kid in (1, 6, 7) else min(4 if kid == 8 else 2, nb)
+    wg0 = 4 if kid in (1, 6, 7) else 1 if kid == 8 else 2
+    wg = wg0 if nqw // wg0 * 4 >= a else nqw * 4 // a
+    cat = kid == 1 or kid >= 6
+    parts, nbp, kw = ng * wg, nb // ng, nqw // wg
+    out = []
+    for ch in range(d):
+        s, c = divmod(ch, d // parts) if cat else (ch % parts, ch // parts)  # part s, its channel c
+        b = s // wg * nbp + c // (kw * vpw)
+        p = s % wg * kw * vpw + c % (kw * vpw)  # the kernel channel within block b
+        r = (b * lay.type_size + lay.header) % a
+        if nq == lay.block:  # a byte per element
+            e = (p - r) % nq
+        else:
+            cb = (p // 2 - r) % nq
+            e = 16 * (cb // 8) + cb % 8 + 8 * (p % 2) if lay.block == 64 else cb + 16 * (p % 2)
+        out.append(b * lay.block + e)
     return out
 
 
