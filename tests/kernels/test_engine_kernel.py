@@ -81,7 +81,7 @@ def _rows(fmt: str, d: int, n: int = 16) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("words", [True, False], ids=["words", "bytes"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 256])  # 256: mxfp4 in 8-byte units (odd r), nvfp4 in 4 parts
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_blocks_decode_bit_exact_in_kernel_order(fmt, d, words, device):
     """The kernel's values are ggml's dequantized values exactly (fp32), channel p holding element
