@@ -203,3 +203,13 @@ def test_issue24_targets_are_judged_on_intervals(runs):
     )
     line = next(x for x in md.splitlines() if x.startswith("| `turbo3.5` quality-neutral"))
     assert "kvquant's best at <= 4.06 b: `k=int4-channel-g64-rot,v=int2-g64-crot,calib=…` (3.50 b)" in line
+
+
+def test_family_and_level_of_the_hybrid_recipes():
+    """Codebook keys beside TurboQuant values are their own family; 0.07 bit of slack keeps turbo's norms
+    (3.06, 4.06 bits) at their level but puts a 2.375-bit row at 2.5, not 2.3."""
+    assert pareto.family("k=nuq2-channel-g256-prerope,v=turbo2-nc,sink=4,window=128") == "codebook K + TurboQuant V"
+    assert pareto.family("k=turbo3-qjl,v=turbo3") == "TurboQuant"
+    assert pareto.family("layers=0-29:nuq2-channel-g64-prerope/turbo2-nc") == "allocation (budget=B)"
+    assert pareto.level(2.375) == 2.5 and pareto.level(2.3) == 2.3 and pareto.level(3.06) == 3.0
+    assert pareto.level(4.06) == 4.5 and pareto.level(4.6) is None
