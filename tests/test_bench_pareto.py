@@ -208,7 +208,8 @@ def test_issue24_targets_are_judged_on_intervals(runs):
 def test_family_and_level_of_the_hybrid_recipes():
     """Codebook keys beside TurboQuant values are their own family; 0.07 bit of slack keeps turbo's norms
     (3.06, 4.06 bits) at their level but puts a 2.375-bit row at 2.5, not 2.3."""
-    assert pareto.family("k=nuq2-channel-g256-prerope,v=turbo2-nc,sink=4,window=128") == "codebook K + TurboQuant V"
+    hybrid = "k=nuq2-channel-g256-prerope,v=turbo2-nc,sink=4,window=128"
+    assert pareto.family(hybrid) == "codebook K + TurboQuant V"
     assert pareto.family("k=turbo3-qjl,v=turbo3") == "TurboQuant"
     assert pareto.family("layers=0-29:nuq2-channel-g64-prerope/turbo2-nc") == "allocation (budget=B)"
     assert pareto.level(2.375) == 2.5 and pareto.level(2.3) == 2.3 and pareto.level(3.06) == 3.0
