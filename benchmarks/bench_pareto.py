@@ -49,6 +49,12 @@ OUT = Path(__file__).resolve().parent / "results"
 LEVELS = (2.0, 2.3, 2.5, 3.0, 3.5, 4.5)  # issue 24's budgets (2.3: where OSCAR-style INT2 stands)
 
 
+MARKERS = {  # every family() value, in the plot's legend order: a family without a marker fails loudly
+    "uniform": "o", "TurboQuant": "s", "calibrated rotation": "^", "allocation (budget=B)": "D",
+    "saliency (salient=N/G)": "v", "RoPE blocks (rbq)": "P", "codebook K + TurboQuant V": "X",
+}
+
+
 def family(scheme: str) -> str:
     if "salient=" in scheme:
         return "saliency (salient=N/G)"
@@ -101,12 +107,8 @@ def plot(rows: list[Row], last: str, path: Path) -> bool:
     except ImportError:
         return False
     fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for fam, marker in (("uniform", "o"), ("TurboQuant", "s"), ("calibrated rotation", "^"),
-                        ("allocation (budget=B)", "D"), ("saliency (salient=N/G)", "v"),
-                        ("RoPE blocks (rbq)", "P"), ("codebook K + TurboQuant V", "X")):
-        mine = [r for r in rows if family(r.scheme) == fam]
-        if not mine:
-            continue
+    for fam in sorted({family(r.scheme) for r in rows}, key=list(MARKERS).index):  # unknown: ValueError
+        mine, marker = [r for r in rows if family(r.scheme) == fam], MARKERS[fam]
         bits = [r.bits for r in mine]
         ax.errorbar(bits, [r.kl[0] for r in mine],
                     yerr=[[r.kl[0] - r.kl[1] for r in mine], [r.kl[2] - r.kl[0] for r in mine]],

@@ -214,3 +214,6 @@ def test_family_and_level_of_the_hybrid_recipes():
     assert pareto.family("layers=0-29:nuq2-channel-g64-prerope/turbo2-nc") == "allocation (budget=B)"
     assert pareto.level(2.375) == 2.5 and pareto.level(2.3) == 2.3 and pareto.level(3.06) == 3.0
     assert pareto.level(4.06) == 4.5 and pareto.level(4.6) is None
+    every = ("int4-g64", "turbo3", "int2-g64-crot", "layers=0-29:int8", "int2-g64,salient=2/64",
+             "k=rbq2-lf8b4-channel-g64-prerope,v=int2-g64", hybrid)
+    assert {pareto.family(s) for s in every} == set(pareto.MARKERS)  # each family is drawn with its marker
