@@ -4,7 +4,10 @@ For each head layout, context length, batch size and scheme, times one decode st
 (`triton.testing.do_bench`, median and 20/80% quantiles) and prints:
   time (us), achieved GB/s (bytes of codes, scales, zeros read; FP16 K/V for SDPA), % of this device's
   measured device-to-device copy bandwidth, speedup of the fused kernel over FP16 SDPA and over
-  dequantize-then-SDPA. Rows are appended to a CSV tagged with the device name.
+  dequantize-then-SDPA. Rows are appended to a CSV tagged with the device name. Where the launcher took
+  128 tokens per loop iteration (it compiles 64 and 128 and keeps the one with fewer instructions that
+  does not spill), a `fused_block64` row times the 64-token variant beside it: the compiled count is the
+  reason for the choice, this row is the measured check of it.
 
     python benchmarks/bench_decode.py                      # the full sweep (GPU)
     python benchmarks/bench_decode.py --key-points         # what benchmarks/gpu_check.sh runs
@@ -132,6 +135,7 @@ class _Recorder:
     def __init__(self):
         self.launches = []
         self.constants = {}  # a codebook's device table, made once (kvquant.kernels.layouts.device_levels)
+        self.blocks = {}  # each variant's compiled tokens per iteration, chosen once (decode_attention)
 
     def launch(self, kernel, grid, args, kwargs, variant) -> bool:
         from kvquant.kernels.registry import device_guard, launch_device
@@ -265,6 +269,12 @@ def run_point(layout: str, scheme_text: str, t: int, b: int, device, copy_bw: fl
     replay = lambda launch: (lambda: launch[0][launch[1]](*launch[2], **launch[3]))  # noqa: E731
     methods["fused_split_only"] = (replay(split_launch), fused_bytes, "the split kernel alone")
     methods["fused_reduce_only"] = (replay(reduce_launch), 0, "the reduce kernel alone")
+    chosen = split_launch[3]["BLOCK_T"]
+    if chosen != 64:  # the launcher compiled 64 and 128 tokens per iteration and took 128: time 64 beside it
+        narrow = lambda: decode_attention(q, *layer.decode_args(), None, mask, registry=rec,  # noqa: E731
+                                          block_t=64)
+        methods["fused_block64"] = (narrow, fused_bytes,
+                                    f"64 tokens per iteration (the launcher chose {chosen})")
 
     times = {name: bench(fn, device) for name, (fn, _, _) in methods.items()}
     hosts = {name: host_us(fn, device) for name, (fn, _, _) in methods.items()}

@@ -3,7 +3,9 @@
 For each variant (K/V codec, with or without sink/window, head_dim, dtype) the launcher runs unchanged on
 CPU tensors inside `kvquant.kernels.compiled.compile_only()`, so what compiles is what a GPU would compile
 for the same call. Per compiled kernel it prints: registers, spill bytes, shared memory, programs per SM
-on an H200, SASS instructions per warp of each loop iteration (one iteration = 64 tokens), the bytes one
+on an H200, the tokens per loop iteration the launcher chose (64 or 128: it compiles both and keeps the
+cheaper one that does not spill, `decode_attention._block_tokens`; the other is shown too), SASS
+instructions per warp per 64 body tokens (each loop's count per iteration scaled to 64 tokens), the bytes one
 program reads per 64 tokens (codes, scales, zeros of one KV head; block table and mask bytes not
 counted), and the instruction-issue ceiling: bytes * 4 / (num_warps * instructions) per clock per SM
 against the H200's ~18.4 B/clock/SM of HBM (4.8 TB/s), in %.
@@ -44,7 +46,8 @@ if os.environ.get("TRITON_INTERPRET") == "1" and "--errors-only" not in sys.argv
     os.environ["TRITON_INTERPRET"] = "0"
 
 COLUMNS = ["variant", "kernel", "dtype", "head_dim", "regs", "spill_bytes", "smem_bytes", "programs_per_sm",
-           "limit", "num_warps", "loop_instr_per_64_tokens", "fp_loop_instr", "loops", "bytes_per_64_tokens",
+           "limit", "num_warps", "block_t", "loop_instr_per_64_tokens", "fp_loop_instr", "other_block",
+           "loops", "bytes_per_64_tokens",
            "ceiling_pct", "compile_s", "error", "max_err", "err_bound", "err_ok", "err_device", "self_check",
            "probe_ms"]
 ATOL = {"fp16": 2e-4, "bf16": 2e-3}  # tests/kernels/test_decode_attention.py's atol
@@ -116,7 +119,7 @@ class Variant:
 def variants(subset: str) -> list[Variant]:
     if subset == "ci":
         return [Variant("int4-g64", True, 128, "fp16"), Variant("int8", False, 128, "fp16"),
-                Variant("kivi-2", True, 256, "fp16")]
+                Variant("kivi-2", True, 256, "fp16"), Variant("int4-g64-out1", False, 128, "fp16")]
     if subset == "gpu":  # gpu_check.sh's: D=128 fp16, plus bf16 for int8, int4-g64, FP8 and codebooks
         bf16 = [v for v in variants("fp8") + variants("codebook") if v.dtype == "bf16"]
         return list(dict.fromkeys(variants("quick") + bf16))
@@ -246,7 +249,7 @@ def _from_key(k: str) -> Variant:
 def report(subset: str, out_csv: Path | None, verbose: bool = True, measure: bool = False,
            body: int = 4096) -> list[dict]:
     import torch
-    from kvquant.kernels.compiled import ceiling_pct, compile_only, resources
+    from kvquant.kernels.compiled import ceiling_pct, compile_only, constexpr, resources
 
     rows = []
     vs = variants(subset)
@@ -282,29 +285,34 @@ def report(subset: str, out_csv: Path | None, verbose: bool = True, measure: boo
         if error and all(k is None for k in record):
             rows.append(dict(variant=v.name, kernel="", dtype=v.dtype, head_dim=v.head_dim, error=error,
                              compile_s=round(dt, 1)))
-        seen = set()
+        # the launcher compiles both token blocks of a variant to choose one (decode_attention._block_tokens):
+        # the record holds the candidates, then the kernels it launched (the last of each name)
+        last = {}
         for k in record:
-            if k is None or id(k) in seen:
-                continue
-            seen.add(id(k))
+            if k is not None:
+                last[k.name] = k
+        candidates = [k for k in record if k is not None and "split" in k.name and k is not last[k.name]]
+        for k in last.values():
             r = resources(k)
             split = "split" in r.name
+            bt = constexpr(k, "BLOCK_T") if split else ""
             # address order: the body loop is compiled before the FP (sink + window) loop, as in the source
             # (by size would mislabel them where the FP loop is the longer one, as for int8 + sink + window);
             # one-instruction loops are the trap at the kernel's end, not token loops
             loops = [n for n in r.loops if n > 8]
-            body_loop = loops[0] if split and loops else ""
-            fp_loop = loops[1] if split and v.fp and len(loops) > 1 else ""
+            body_loop = round(loops[0] * 64 / bt) if split and loops else ""
+            fp_loop = round(loops[1] * 64 / bt) if split and v.fp and len(loops) > 1 else ""
             ceiling = round(min(ceiling_pct(nbytes, body_loop, r.num_warps), 100.0), 1) if body_loop else ""
             rows.append(dict(
                 variant=v.name, kernel=r.name, dtype=v.dtype, head_dim=v.head_dim, regs=r.regs,
                 spill_bytes=r.spill_bytes, smem_bytes=r.smem_bytes, programs_per_sm=r.programs_per_sm,
-                limit=r.limit, num_warps=r.num_warps, loop_instr_per_64_tokens=body_loop,
-                fp_loop_instr=fp_loop, loops="/".join(map(str, r.loops)),
+                limit=r.limit, num_warps=r.num_warps, block_t=bt, loop_instr_per_64_tokens=body_loop,
+                fp_loop_instr=fp_loop, other_block=_others(candidates, bt) if split else "",
+                loops="/".join(map(str, r.loops)),
                 bytes_per_64_tokens=nbytes if split else "", ceiling_pct=ceiling, compile_s=round(dt, 1),
                 error=error, **(errors.get(_key(v), {}) if split else {}),
             ))
-        for r in rows[-len(seen) or -1:]:
+        for r in rows[-len(last) or -1:]:
             if verbose:
                 print_row(r)
             if writer is not None:
@@ -316,6 +324,23 @@ def report(subset: str, out_csv: Path | None, verbose: bool = True, measure: boo
     return rows
 
 
+def _others(candidates: list, chosen: int) -> str:
+    """The token blocks the launcher compiled and did not take: "64: 605" (SASS instructions per 64 body
+    tokens), with its spill bytes when it spilled."""
+    from kvquant.kernels.compiled import constexpr, resources
+
+    out = []
+    for k in candidates:
+        bt = constexpr(k, "BLOCK_T")
+        if bt == chosen:
+            continue
+        r = resources(k)
+        loops = [n for n in r.loops if n > 8]
+        text = f"{bt}: {round(loops[0] * 64 / bt) if loops else '?'}"
+        out.append(text + (f" (spills {r.spill_bytes} B)" if r.spill_bytes else ""))
+    return "; ".join(dict.fromkeys(out))
+
+
 def write_markdown(rows: list[dict], path: Path, subset: str) -> None:
     """The split kernel's rows as a markdown table (with each row's instructions against int8's of the same
     dtype and D), for docs and notes: benchmarks/results/kernel_report.md next to the CSV."""
@@ -324,33 +349,36 @@ def write_markdown(rows: list[dict], path: Path, subset: str) -> None:
     lines = [
         f"# Compiled decode kernels (sm_90, compiled on a CPU; `kernel_report.py --subset {subset}`)",
         "",
-        "SASS instructions per warp per 64-token body iteration of `_paged_split_kernel` (one program, 4 "
-        "warps), registers, spill bytes, shared memory, programs per SM on an H200, bytes one program reads "
-        "per 64 tokens (K + V of one KV head: codes, scales, zeros), and the instruction-issue ceiling "
-        "against HBM bandwidth (4 warp-instructions per clock per SM, 18.4 B/clock/SM). H_q=32, H_kv=8. "
-        "No timing: compile-only (the machine's load does not change these numbers).",
+        "SASS instructions per warp per 64 body tokens of `_paged_split_kernel` (one program, 4 warps; the "
+        "loop's count per iteration times 64 / block, the block being the tokens per iteration the launcher "
+        "chose, 64 or 128, and `other block` what the one it did not choose compiled to), registers, spill "
+        "bytes, shared memory, programs per SM on an H200, bytes one program reads per 64 tokens (K + V of "
+        "one KV head: codes, scales, zeros), and the instruction-issue ceiling against HBM bandwidth (4 "
+        "warp-instructions per clock per SM, 18.4 B/clock/SM). H_q=32, H_kv=8. No timing: compile-only "
+        "(the machine's load does not change these numbers).",
         "",
-        "| variant | dtype | D | regs | spill | smem | prog/SM | instr/64 tok | vs int8 | B/64 tok | ceil% |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| variant | dtype | D | block | regs | spill | smem | prog/SM | instr/64 tok | vs int8 | B/64 tok "
+        "| ceil% | other block |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if "split" not in r.get("kernel", ""):
             if r.get("error"):
                 lines.append(f"| {r['variant']} | {r['dtype']} | {r['head_dim']} | FAILED: {r['error']} "
-                             "| | | | | | | |")
+                             "| | | | | | | | | |")
             continue
         b = base.get((r["dtype"], r["head_dim"]))
         n = r["loop_instr_per_64_tokens"]
         ratio = f"{n / b:.2f}" if b and n else ""
-        lines.append(f"| {r['variant']} | {r['dtype']} | {r['head_dim']} | {r['regs']} | "
+        lines.append(f"| {r['variant']} | {r['dtype']} | {r['head_dim']} | {r['block_t']} | {r['regs']} | "
                      f"{r['spill_bytes']} | {r['smem_bytes']} | {r['programs_per_sm']} | {n} | {ratio} | "
-                     f"{r['bytes_per_64_tokens']} | {r['ceiling_pct']} |")
+                     f"{r['bytes_per_64_tokens']} | {r['ceiling_pct']} | {r['other_block']} |")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("\n".join(lines) + "\n")
 
 
 _HEADER = (f"{'variant':<22} {'kernel':<24} {'dt':<4} {'D':>3} {'regs':>4} {'spill':>5} {'smem':>7} "
-           f"{'p/SM':>4} {'loop':>5} {'fp':>5} {'B/64t':>6} {'ceil%':>6} {'s':>5}")
+           f"{'p/SM':>4} {'blk':>3} {'loop':>5} {'fp':>5} {'B/64t':>6} {'ceil%':>6} {'s':>5}")
 
 
 def print_row(r: dict) -> None:
@@ -358,7 +386,7 @@ def print_row(r: dict) -> None:
         print(f"{r['variant']:<22} {'':<24} {r['dtype']:<4} {r['head_dim']:>3} FAILED: {r['error']}")
         return
     print(f"{r['variant']:<22} {r['kernel'][:24]:<24} {r['dtype']:<4} {r['head_dim']:>3} {r['regs']:>4} "
-          f"{r['spill_bytes']:>5} {r['smem_bytes']:>7} {r['programs_per_sm']:>4} "
+          f"{r['spill_bytes']:>5} {r['smem_bytes']:>7} {r['programs_per_sm']:>4} {r['block_t']!s:>3} "
           f"{r['loop_instr_per_64_tokens']!s:>5} {r['fp_loop_instr']!s:>5} {r['bytes_per_64_tokens']!s:>6} "
           f"{r['ceiling_pct']!s:>6} {r['compile_s']:>5}"
           + (f"  err {r['max_err']} <= {r['err_bound']}: {r['err_ok']}" if r.get("err_ok") else "")

@@ -36,6 +36,7 @@ from triton.runtime.jit import JITFunction
 __all__ = [
     "H200",
     "compile_only",
+    "constexpr",
     "resources",
     "sass_loops",
     "KernelResources",
@@ -226,6 +227,11 @@ def resources(kernel) -> KernelResources:
     """Registers, spills, shared memory, occupancy and loop sizes of a compiled kernel (`compile_only`)."""
     md = kernel.metadata
     return _read(kernel.asm["cubin"], md.name, md.num_warps, md.shared)
+
+
+def constexpr(kernel, name: str):
+    """The value a compiled kernel (`compile_only`'s record) was specialised on for constexpr `name`."""
+    return kernel.src.constants[(kernel.src.fn.arg_names.index(name),)]
 
 
 def ceiling_pct(bytes_per_iter: float, instr_per_warp: int, num_warps: int, dev: Device = H200) -> float:

@@ -19,8 +19,9 @@ through the block table) or FP pages (sink then recent, one table lookup per tok
 reduce kernel merges the splits in tiles of 32. GQA: one program serves the H_q / H_kv query heads of its
 KV head, so every stored byte is read once per step.
 
-Inside a program, each 64-token block is cut into W slabs of 16 tokens, one per warp, each with its own
-running max and sum (merged once, after the loop): no softmax statistic crosses a warp inside the loop
+Inside a program, each block of 64 or 128 tokens (`_block_tokens`: compiled, 128 where it spills
+nothing and issues fewer instructions per token) is cut into W slabs of 16 or 32 tokens, one per warp,
+each with its own running max and sum (merged once, after the loop): no softmax statistic crosses a warp inside the loop
 (no shared-memory round trip, no barrier for them). The output is accumulated transposed, V^T P^T, so the
 query heads (padded to 8) are the narrow side of the MMA. Scale folding: a per-token scale and zero (int8,
 int4/int2 per token) never touch the elements: q.(c s + z) = (q.c) s + z sum(q) on the scores, and
@@ -59,6 +60,7 @@ cannot be built on the device (shared memory, registers, ptxas) is refused once 
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -87,11 +89,15 @@ from .layouts import (
 )
 from .registry import KernelRegistry, default_registry
 
-__all__ = ["decode_attention", "decode_attention_ref", "gather_region", "BLOCK_T"]
+__all__ = ["decode_attention", "decode_attention_ref", "gather_region", "BLOCK_T", "WIDE_BLOCK_T"]
+
+logger = logging.getLogger(__name__)
 
 _LOG2E = 1.4426950408889634
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32)
-BLOCK_T = 64  # tokens per loop iteration
+BLOCK_T = 64  # tokens per loop iteration: the interpreter's, D = 256's, and the fallback
+WIDE_BLOCK_T = 128  # compiled, D <= 128, where it spills nothing and costs less (_block_tokens)
+WIDE_GAIN = 0.95  # ... at most this many instructions per token of 64's: twice the shared memory must pay
 SPLIT_BLOCK = 32  # splits merged per reduce iteration (a constant, so the split count never recompiles)
 
 # runtime integers that change during a decode: never part of the compiled variant
@@ -568,8 +574,8 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _num_splits(bh: int, t_body: int, device: torch.device) -> int:
-    """Enough body splits to give every SM about two programs, none shorter than 4 blocks."""
+def _num_splits(bh: int, t_body: int, device: torch.device, block_t: int) -> int:
+    """Enough body splits to give every SM about two programs, none shorter than 4 blocks of block_t."""
     if t_body == 0:
         return 0
     if device.type == "cuda":
@@ -579,7 +585,7 @@ def _num_splits(bh: int, t_body: int, device: torch.device) -> int:
     else:
         target = 2 * 132  # compile-only (kvquant.kernels.compiled): an H200
     want = triton.cdiv(target, bh)
-    return max(1, min(want, triton.cdiv(t_body, 4 * BLOCK_T)))
+    return max(1, min(want, triton.cdiv(t_body, 4 * block_t)))
 
 
 def _length(region) -> int:
@@ -827,34 +833,34 @@ def _extent(query, fp_k, fp_v, key_pages, key_codec, value_codec, sink, body, re
     return _Extent(s_len, t_body, r_len, h_kv, bs, fbs)
 
 
-def _splits(bh: int, ext: _Extent, num_splits: int | None, device: torch.device) -> _Splits:
-    """Body splits (`_num_splits` unless given, at most one per token), each a whole number of BLOCK_T
-    blocks, then FP splits of 4 * BLOCK_T sink and recent tokens."""
-    n_body, body_chunk = 0, BLOCK_T
+def _splits(bh: int, ext: _Extent, num_splits: int | None, device: torch.device, block_t: int) -> _Splits:
+    """Body splits (`_num_splits` unless given, at most one per token), each a whole number of block_t
+    blocks, then FP splits of 4 * block_t sink and recent tokens."""
+    n_body, body_chunk = 0, block_t
     if ext.t_body:
-        n_body = _num_splits(bh, ext.t_body, device) if num_splits is None else max(1, min(num_splits,
-                                                                                          ext.t_body))
-        body_chunk = triton.cdiv(triton.cdiv(ext.t_body, n_body), BLOCK_T) * BLOCK_T
+        n_body = _num_splits(bh, ext.t_body, device, block_t) if num_splits is None else max(
+            1, min(num_splits, ext.t_body))
+        body_chunk = triton.cdiv(triton.cdiv(ext.t_body, n_body), block_t) * block_t
         n_body = triton.cdiv(ext.t_body, body_chunk)
-    fp_chunk = 4 * BLOCK_T
+    fp_chunk = 4 * block_t
     n_fp = triton.cdiv(ext.s_len + ext.r_len, fp_chunk)
     return _Splits(n_body, n_body + n_fp, body_chunk, fp_chunk)
 
 
 def _constants(query: torch.Tensor, ext: _Extent, g: int, k_consts: tuple, v_consts: tuple, has_mask: bool,
-               idx64: bool, num_warps: int, body_stages: int | None, fp_stages: int) -> dict:
+               idx64: bool, num_warps: int, body_stages: int | None, fp_stages: int, block_t: int) -> dict:
     """The split kernel's constexprs (what one compiled variant is specialised on)."""
     d = query.shape[3]
     return dict(
         H_KV=ext.h_kv, G=g, G_PAD=max(8, triton.next_power_of_2(g)),  # G_PAD: the N side of P V (mma n8)
-        D=d, BLOCK_T=BLOCK_T, BS=ext.bs, FBS=ext.fbs, IDX64=idx64,
+        D=d, BLOCK_T=block_t, BS=ext.bs, FBS=ext.fbs, IDX64=idx64,
         **{f"K_{name}": c for name, c in zip(_CODEC_CONSTS, k_consts, strict=True)},
         **{f"V_{name}": c for name, c in zip(_CODEC_CONSTS, v_consts, strict=True)},
         HAS_MASK=has_mask, HAS_BODY=ext.t_body > 0, HAS_FP=ext.has_fp,
         DOT_FP32=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and _interpreting()),
         BODY_STAGES=body_stages or (2 if d <= 128 else 1),  # D=256, 2 stages: 116 KB of smem
         FP_STAGES=fp_stages,
-        W=min(num_warps, BLOCK_T // 16),  # token slabs with a running softmax each (>= 16 tokens)
+        W=min(num_warps, block_t // 16),  # token slabs with a running softmax each (>= 16 tokens)
         ASM=not _interpreting(),
     )
 
@@ -869,7 +875,8 @@ def _variant(query: torch.Tensor, fpk: torch.Tensor, kb: tuple, vb: tuple, const
 
 
 def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, sink, body, recent,
-            scaling, key_mask, num_splits, num_warps, body_stages, fp_stages, registry, idx64=None):
+            scaling, key_mask, num_splits, num_warps, body_stages, fp_stages, registry, idx64=None,
+            block_t=None):
     """Check the arguments, launch the split kernel then the reduce: (B, 1, H_q, D) in query's dtype, or
     None when the registry refuses the variant (it cannot be built here, or its self-check failed)."""
     bsz, h_q, d = _check_query(query)
@@ -881,12 +888,8 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
     vb, v_consts = _body_args(value_codec if ext.t_body else None, value_pages, ext.h_kv, d, ext.bs, query,
                               registry, b_start + ext.t_body)
     g, bh = h_q // ext.h_kv, bsz * ext.h_kv
-    splits = _splits(bh, ext, num_splits, query.device)
     mask, s_mb, s_mt, has_mask = _mask_arg(key_mask, bsz, ext.total, query)
     scale = (1.0 / math.sqrt(d)) if scaling is None else float(scaling)
-    m = torch.empty((bh, splits.nsplit, g), dtype=torch.float32, device=query.device)  # running max per split
-    l_ = torch.empty_like(m)  # running sum
-    acc = torch.empty((bh, splits.nsplit, g, d), dtype=torch.float32, device=query.device)
     out = torch.empty((bsz, 1, h_q, d), dtype=query.dtype, device=query.device)
 
     q3 = query[:, :, 0, :]  # (B, H_q, D)
@@ -901,32 +904,96 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
     # D=256 on 4 warps spills (255 registers), and so do bf16 -prerope keys (fp32 keys and their cos / sin)
     rope_bf16 = k_consts[_CODEC_CONSTS.index("ROPE")] and query.dtype == torch.bfloat16
     num_warps = num_warps or (4 if d <= 128 and not rope_bf16 else 8)
-    consts = _constants(query, ext, g, k_consts, v_consts, has_mask, idx64, num_warps, body_stages, fp_stages)
-    args = (
-        q3, *q3.stride()[:2],
-        fpk, fpv,
-        st[0], st[1], st[2], ext.s_len,
-        rt[0], rt[1], rt[2], ext.r_len, int(recent.offset) if ext.r_len else 0,
-        btab[0], btab[1], btab[2], ext.t_body, int(body.offset) if ext.t_body else 0, b_start,
-        *kb, *vb,
-        mask, s_mb, s_mt,
-        m, l_, acc,
-        splits.n_body, splits.nsplit, splits.body_chunk, splits.fp_chunk, scale * _LOG2E,
-    )
+
+    def plan(bt: int):
+        """(grid, args, constexprs, partials m, l, acc) of the split kernel at bt tokens per iteration."""
+        splits = _splits(bh, ext, num_splits, query.device, bt)
+        m = torch.empty((bh, splits.nsplit, g), dtype=torch.float32, device=query.device)  # running max
+        l_ = torch.empty_like(m)  # running sum
+        acc = torch.empty((bh, splits.nsplit, g, d), dtype=torch.float32, device=query.device)
+        consts = _constants(query, ext, g, k_consts, v_consts, has_mask, idx64, num_warps, body_stages,
+                            fp_stages, bt)
+        args = (
+            q3, *q3.stride()[:2],
+            fpk, fpv,
+            st[0], st[1], st[2], ext.s_len,
+            rt[0], rt[1], rt[2], ext.r_len, int(recent.offset) if ext.r_len else 0,
+            btab[0], btab[1], btab[2], ext.t_body, int(body.offset) if ext.t_body else 0, b_start,
+            *kb, *vb,
+            mask, s_mb, s_mt,
+            m, l_, acc,
+            splits.n_body, splits.nsplit, splits.body_chunk, splits.fp_chunk, scale * _LOG2E,
+        )
+        return (splits.nsplit, bh), args, consts, (m, l_, acc)
+
+    if block_t is None:
+        key = lambda: (_variant(query, fpk, kb, vb, _constants(  # noqa: E731
+            query, ext, g, k_consts, v_consts, has_mask, idx64, num_warps, body_stages, fp_stages, BLOCK_T),
+            num_warps), str(query.device))
+        block_t = _block_tokens(registry, d, key, plan, num_warps)
+    elif block_t < 16 or block_t & (block_t - 1):
+        raise ValueError(f"decode_attention: block_t must be a power of two >= 16 (64 or 128), got {block_t}")
+    grid, args, consts, (m, l_, acc) = plan(block_t)
     spec = _ProbeSpec(query.dtype, fpk.dtype, key_codec, value_codec, ext.h_kv, g, d, ext.bs, ext.fbs,
-                      ext.t_body > 0, ext.has_fp, has_mask, num_warps, body_stages, fp_stages, idx64)
+                      ext.t_body > 0, ext.has_fp, has_mask, num_warps, body_stages, fp_stages, idx64, block_t)
     variant = _variant(query, fpk, kb, vb, consts, num_warps)
     if not _trusted(registry, variant, spec, query.device):
         return None
-    if not registry.launch(_paged_split_kernel, (splits.nsplit, bh), args, dict(consts, num_warps=num_warps),
-                           variant):
+    if not registry.launch(_paged_split_kernel, grid, args, dict(consts, num_warps=num_warps), variant):
         return None
     o3 = out[:, 0]  # (B, H_q, D)
-    reduce_args = (m, l_, acc, o3, *o3.stride()[:2], ext.h_kv, splits.nsplit)
+    reduce_args = (m, l_, acc, o3, *o3.stride()[:2], ext.h_kv, grid[0])
     if not registry.launch(_reduce_kernel, (bh, g), reduce_args, dict(G=g, D=d, SPLIT_BLOCK=SPLIT_BLOCK),
                            (query.dtype, g, d)):
         return None
     return out
+
+
+def _block_tokens(registry, d: int, key, plan, num_warps: int) -> int:
+    """Tokens per loop iteration of a split-kernel variant: WIDE_BLOCK_T (128) where, compiled, it spills
+    nothing and its first loop (the body's; the FP loop's when there is no body) issues at most WIDE_GAIN
+    of the instructions per token it issues at BLOCK_T (64), else 64. At 128 each warp's slab is 32
+    tokens, so the accumulator's rescaling, the running max and sum and the loop's fixed cost are paid
+    once per 32 tokens, not 16 (D = 128: int8 605 -> 404 SASS instructions per 64 tokens, int4-g64 686 ->
+    552); but it holds twice the shared memory (fewer programs per SM: a gain of a few % does not pay for
+    that), and it can spill (-prerope, -outP, TurboQuant's norm-corrected keys, GGUF blocks in bf16) or
+    compile longer (nvfp4, mxfp4), which only the compiler's output shows. So both are compiled
+    (`kvquant.kernels.compiled.resources` reads spills and the SASS loops) and the choice is kept per
+    variant and device on the registry (`KernelRegistry.blocks`): two compiles and two reads of the
+    binary on a variant's first call, nothing after. The interpreter (nothing is compiled) and D > 128
+    (4 x 128 x 256 tiles do not fit in registers) take 64."""
+    if d > 128 or _interpreting():
+        return BLOCK_T
+    blocks = getattr(registry, "blocks", None)
+    key = key()  # (the variant at BLOCK_T, the device)
+    if blocks is not None and key in blocks:
+        return blocks[key]
+    from .compiled import resources
+    from .registry import device_guard, is_build_failure, launch_device
+
+    costs = {}
+    for bt in (BLOCK_T, WIDE_BLOCK_T):
+        grid, args, consts, _ = plan(bt)
+        try:
+            with device_guard(launch_device(args)):
+                kernel = _paged_split_kernel.warmup(*args, grid=grid, **consts, num_warps=num_warps)
+        except Exception as exc:  # noqa: BLE001 - filtered just below; anything else is re-raised
+            if not is_build_failure(exc):
+                raise
+            continue  # (the launch of this size records and logs the failure itself)
+        r = resources(kernel)
+        loops = [n for n in r.loops if n > 8]  # (one-instruction loops are the trap at the kernel's end)
+        costs[bt] = (r.spill_bytes > 0, loops[0] / bt if loops else float("inf"))
+    narrow, wide = costs.get(BLOCK_T), costs.get(WIDE_BLOCK_T)
+    choice = BLOCK_T
+    if wide is not None and (narrow is None or wide[0] < narrow[0]
+                             or (wide[0] == narrow[0] and wide[1] <= WIDE_GAIN * narrow[1])):
+        choice = WIDE_BLOCK_T
+    logger.debug("decode_attention: %d tokens per iteration (spills, instructions per token: %s)", choice,
+                 costs)
+    if blocks is not None:
+        blocks[key] = choice
+    return choice
 
 
 def _trusted(registry, variant: tuple, spec: _ProbeSpec, device: torch.device) -> bool:
@@ -963,19 +1030,20 @@ class _ProbeSpec:
     body_stages: int | None
     fp_stages: int
     idx64: bool
+    block_t: int = BLOCK_T
 
 
 def _probe(spec: _ProbeSpec, device, registry) -> str | None:
     """The first-use self-check of one decode variant (`KernelRegistry.trusted`): a small layer of the same
-    variant (2 sequences, two 64-token body blocks in two splits over shuffled pages, a sink of 2 and a
-    window of 5 from mid-page when the variant has them, a left-padding mask when it has one) through the
-    same launcher, against `decode_attention_ref`: None when |out - ref32| <= 2 |ref - ref32| + atol
-    everywhere (the tests' bound), else what differed. None too when the variant cannot be built (the
-    registry has recorded that; the caller takes the reference path)."""
+    variant (2 sequences, two body blocks of its block_t tokens in two splits over shuffled pages, a sink
+    of 2 and a window of 5 from mid-page when the variant has them, a left-padding mask when it has one)
+    through the same launcher, against `decode_attention_ref`: None when |out - ref32| <= 2 |ref - ref32|
+    + atol everywhere (the tests' bound), else what differed. None too when the variant cannot be built
+    (the registry has recorded that; the caller takes the reference path)."""
     from .paged import make_paged_layer
 
     group = max(spec.key_codec.token_group, spec.value_codec.token_group) if spec.has_body else 1
-    body = -(-2 * BLOCK_T // group) * group if spec.has_body else 0
+    body = -(-2 * spec.block_t // group) * group if spec.has_body else 0
     fp = spec.has_fp
     layer = make_paged_layer(b=2, h_kv=spec.h_kv, d=spec.d, sink=2 if fp else 0, body=body,
                              recent=5 if fp else 0, recent_offset=3 if fp else 0, k=spec.key_codec,
@@ -1008,7 +1076,7 @@ def _probe_launch(q, layer, mask, spec: _ProbeSpec, device, registry) -> torch.T
         q, fp_k, fp_v, sink, recent = _into_frames(q, fp_k, fp_v, sink, recent, kf, vf)
     out = _launch(q, fp_k, fp_v, layer.key_pages, layer.value_pages, layer.key_codec, layer.value_codec, sink,
                   layer.body, recent, None, mask, 2, spec.num_warps, spec.body_stages, spec.fp_stages,
-                  registry, idx64=spec.idx64)
+                  registry, idx64=spec.idx64, block_t=spec.block_t)
     return out if out is None or vf is None else vf.out_of(out)
 
 
@@ -1049,6 +1117,7 @@ def decode_attention(
     body_stages: int | None = None,
     fp_stages: int = 1,
     registry: KernelRegistry | None = None,
+    block_t: int | None = None,
 ) -> torch.Tensor | None:
     """Attention of one query token per sequence over the paged sink | body | recent of one layer.
 
@@ -1066,7 +1135,8 @@ def decode_attention(
         order; any pattern; any strides. num_splits: body splits per (sequence, KV head); None = fill
         the GPU. num_warps: None = 4 up to D=128, 8 at D=256; body_stages: None = 2 up to D=128, 1 at
         D=256 (shared memory). registry: where a variant that cannot be
-        built is remembered (default: a shared one).
+        built is remembered (default: a shared one). block_t: body tokens per loop iteration, 64 or 128
+        (a multiple of 16 that fits); None = `_block_tokens`' choice (64 in the interpreter and at D=256).
     Returns (B, 1, H_q, D) in query's dtype, or None when this variant cannot be built on the device
     (logged once per variant): the caller then takes the reference path.
     A sequence whose mask row is all False gets zeros (torch SDPA's math path does the same), not NaN.
@@ -1080,7 +1150,7 @@ def decode_attention(
         key_codec, value_codec = kf.codec, vf.codec
         query, fp_k, fp_v, sink, recent = _into_frames(query, fp_k, fp_v, sink, recent, kf, vf)
     out = _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, sink, body, recent,
-                  scaling, key_mask, num_splits, num_warps, body_stages, fp_stages, registry)
+                  scaling, key_mask, num_splits, num_warps, body_stages, fp_stages, registry, block_t=block_t)
     return out if out is None or vf is None else vf.out_of(out)  # (B, 1, H_q, D): T_v^T sum_j p_j (T_v v_j)
 
 

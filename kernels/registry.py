@@ -132,6 +132,8 @@ class KernelRegistry:
         self._self_check = self_check
         # small per-device constants of a codec (codebook levels), copied once: (key) -> (source, copy)
         self.constants: dict[tuple, tuple] = {}
+        # compiled tokens per loop iteration of a decode variant (decode_attention._block_tokens)
+        self.blocks: dict[tuple, int] = {}
 
     @property
     def self_check(self) -> SelfCheck:

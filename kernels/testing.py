@@ -31,6 +31,7 @@ def check_decode(layer: PagedLayer, q: torch.Tensor, dtype, **kw) -> None:
     args = layer.decode_args()
     out = decode_attention(q, *args, **kw)
     kw.pop("num_splits", None)
+    kw.pop("block_t", None)
     ref32 = decode_attention_ref(q, *args, upcast=True, **kw)
     ref = decode_attention_ref(q, *args, **kw)
     assert out is not None and out.shape == ref32.shape and out.dtype == q.dtype

@@ -181,6 +181,39 @@ def _run_words(asm: str, words, run_ptx):
     return [outs[i] for i in range(4)]
 
 
+WIDE = [  # (K, V) at block_t=128: one or two per family the compiled launcher runs at 128 tokens
+    ("int8", "int8-g32-sym"),
+    ("int4-channel-g64", "int4-g64"),  # two channel-wise scale rows per block
+    ("int4-channel-g128-sfp16", "int2-g16"),  # a scale row the size of the block
+    ("int4-g32-center", "int4"),  # -center: two offset rows per block; a folded per-token scale
+    ("nuq3-channel-g64", "nuq2-g64"),  # codebook words (8 codes in 3 bytes), the 3-bit recipe's shape
+    ("fp8-e4m3", "fp8-e5m2-g32"),
+    ("llama.cpp:q8_0", "llama.cpp:q4_1"),
+    ("vllm:int8_per_token_head", "vllm:fp8_per_token_head"),
+]
+
+
+@pytest.mark.parametrize("k,v", WIDE, ids=[f"{k}+{v}" for k, v in WIDE])
+def test_wide_block_of_128_tokens(k, v, device):
+    """block_t=128 (what the compiled launcher takes at D <= 128 where it spills nothing and runs fewer
+    instructions; the interpreter's default is 64): 32-token warp slabs, a partly filled last block,
+    sink + body + window from mid-page, shuffled and shared pages, left padding, two splits."""
+    whole = "g128" in k  # groups of 128 tokens: whole blocks only
+    layer = make_paged_layer(b=2, sink=3, body=3 * 128 if whole else 2 * 128 + 64, recent=6, recent_offset=2,
+                             k=k, v=v, block_size=128 if whole else 64, fp_block_size=16, share=True,
+                             device=device)
+    mask = torch.ones(2, layer.shape[2], dtype=torch.bool)
+    mask[1, :40] = False  # left padding into the body
+    check(layer, query(layer, 3, torch.float16, device), torch.float16, key_mask=mask.to(device),
+          num_splits=2, block_t=128)
+
+
+def test_block_t_must_be_a_power_of_two(device):
+    layer = make_paged_layer(body=16, device=device)
+    with pytest.raises(ValueError, match="block_t must be a power of two >= 16"):
+        decode_attention(query(layer, 3, torch.float16, device), *layer.decode_args(), block_t=96)
+
+
 def test_many_splits_agree_with_one(device):
     layer = make_paged_layer(b=1, h_kv=1, sink=0, body=304, recent=0, dtype=torch.float32, device=device)
     q = query(layer, 2, torch.float32, device)

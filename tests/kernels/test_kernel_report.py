@@ -22,8 +22,10 @@ def _env(**extra) -> dict:
 
 
 def test_ci_subset_compiles_without_spills_within_shared_memory(tmp_path):
-    """int4-g64 with sink+window and int8 at D=128, KIVI-2 at D=256: no spills, <= 110 KB shared memory,
-    two programs per SM at D=128 (one of 8 warps at D=256, register-bound), and D=256 compiles; with
+    """int4-g64 with sink+window, int8 and int4-g64-out1 at D=128, KIVI-2 at D=256: no spills, <= 110 KB
+    shared memory, two programs per SM at D=128 (one of 8 warps at D=256, register-bound), and D=256
+    compiles; the launcher compiled both token blocks at D=128 and kept 128 where it is cheaper and
+    spills nothing (int8, int4-g64), 64 where 128 spills (-out1), 64 at D=256 without trying 128; with
     --measure each variant's output (interpreted here, 128 body tokens) is within the flash-attention
     bound of its fp32 twin."""
     out = tmp_path / "report.csv"
@@ -33,8 +35,16 @@ def test_ci_subset_compiles_without_spills_within_shared_memory(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(out.open()))
     split = [r for r in rows if "split" in r["kernel"]]
-    assert {r["variant"] for r in split} == {"int4-g64+sink+window", "int8", "kivi-2+sink+window"}
+    assert {r["variant"] for r in split} == {"int4-g64+sink+window", "int8", "kivi-2+sink+window",
+                                             "int4-g64-out1"}
     assert any(r["head_dim"] == "256" for r in split)
+    block = {r["variant"]: (int(r["block_t"]), r["other_block"]) for r in split}
+    for name in ("int8", "int4-g64+sink+window"):  # 128 chosen: the 64-token variant issues more per token
+        bt, other = block[name]
+        taken = int(next(r["loop_instr_per_64_tokens"] for r in split if r["variant"] == name))
+        assert bt == 128 and other.startswith("64: ") and int(other[4:].split()[0]) > taken, block
+    assert block["int4-g64-out1"][0] == 64 and "spills" in block["int4-g64-out1"][1], block
+    assert block["kivi-2+sink+window"] == (64, ""), block
     for r in rows:
         assert not r["error"], r
         assert int(r["spill_bytes"]) == 0, r
