@@ -21,8 +21,8 @@ KV head, so every stored byte is read once per step.
 
 Inside a program, each block of 64 or 128 tokens (`_block_tokens`: compiled, 128 where it spills
 nothing and issues fewer instructions per token) is cut into W slabs of 16 or 32 tokens, one per warp,
-each with its own running max and sum (merged once, after the loop): no softmax statistic crosses a warp inside the loop
-(no shared-memory round trip, no barrier for them). The output is accumulated transposed, V^T P^T, so the
+each with its own running max and sum (merged once, after the loop): no softmax statistic crosses a
+warp inside the loop (no shared-memory round trip, no barrier for them). The output is accumulated transposed, V^T P^T, so the
 query heads (padded to 8) are the narrow side of the MMA. Scale folding: a per-token scale and zero (int8,
 int4/int2 per token) never touch the elements: q.(c s + z) = (q.c) s + z sum(q) on the scores, and
 sum_t p_t (c_t s_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t on the probabilities. Group-wise scales
