@@ -19,19 +19,19 @@ through the block table) or FP pages (sink then recent, one table lookup per tok
 reduce kernel merges the splits in tiles of 32. GQA: one program serves the H_q / H_kv query heads of its
 KV head, so every stored byte is read once per step.
 
-Inside a program, each block of 64 or 128 tokens (`_block_tokens`: compiled, 128 where it spills
-nothing and issues fewer instructions per token) is cut into W slabs of 16 or 32 tokens, one per warp,
-each with its own running max and sum (merged once, after the loop): no softmax statistic crosses a
-warp inside the loop (no shared-memory round trip, no barrier for them). The output is accumulated transposed, V^T P^T, so the
-query heads (padded to 8) are the narrow side of the MMA. Scale folding: a per-token scale and zero (int8,
-int4/int2 per token) never touch the elements: q.(c s + z) = (q.c) s + z sum(q) on the scores, and
-sum_t p_t (c_t s_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t on the probabilities. Group-wise scales
-are loaded as (tokens, groups) tiles, channel-wise ones as the block's BLOCK_T // TE scale rows, and
-broadcast (one HFMA2 per pair). Codes become fp16 by the exponent trick (0x6400 | c = 1024 + c);
-compiled, four codes go to two half2 registers with one PRMT (8-bit) or PRMT+LOP3 (4-bit) each, through
-inline PTX; the interpreter cannot run PTX and takes Triton's generic path, which gives the same bits.
-8-bit code pools are read as int32 words (the launcher views them so): a uint8 load would be split into
-bytes and packed again for the PRMT (about 230 more instructions per 64 tokens at D=128).
+Inside a program, each block of 64 or 128 tokens (`_block_tokens`: compiled, 128 where it spills nothing and
+issues fewer instructions per token) is cut into W slabs of 16 or 32 tokens, one per warp, each with its own
+running max and sum (merged once, after the loop): no softmax statistic crosses a warp inside the loop (no
+shared-memory round trip, no barrier for them). The output is accumulated transposed, V^T P^T, so the query
+heads (padded to 8) are the narrow side of the MMA. Scale folding: a per-token scale and zero (int8,
+int4/int2 per token) never touch the elements: q.(c s + z) = (q.c) s + z sum(q) on the scores, and sum_t p_t
+(c_t s_t + z_t) = sum_t (p_t s_t) c_t + sum_t p_t z_t on the probabilities. Group-wise scales are loaded as
+(tokens, groups) tiles, channel-wise ones as the block's BLOCK_T // TE scale rows, and broadcast (one HFMA2
+per pair). Codes become fp16 by the exponent trick (0x6400 | c = 1024 + c); compiled, four codes go to two
+half2 registers with one PRMT (8-bit) or PRMT+LOP3 (4-bit) each, through inline PTX; the interpreter cannot
+run PTX and takes Triton's generic path, which gives the same bits. 8-bit code pools are read as int32 words
+(the launcher views them so): a uint8 load would be split into bytes and packed again for the PRMT (about
+230 more instructions per 64 tokens at D=128).
 
 Masking: key_mask (B, T) bool, True = attend, positions in sink | body | recent order; each program loads
 the mask bytes of its token block, so nothing is checked on the host (no device->host sync). A sequence
