@@ -63,6 +63,7 @@ import functools
 import logging
 import math
 import os
+import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -981,7 +982,14 @@ def _block_tokens(registry, d: int, key, plan, num_warps: int) -> int:
             if not is_build_failure(exc):
                 raise
             continue  # (the launch of this size records and logs the failure itself)
-        r = resources(kernel)
+        try:
+            r = resources(kernel)
+        except (OSError, subprocess.SubprocessError, RuntimeError, ValueError) as exc:  # no reader: 64
+            why = str(exc).splitlines()[0][:200] if str(exc) else ""
+            logger.warning("decode_attention: cannot read the compiled kernel (%s: %s); 64 tokens per "
+                           "iteration", type(exc).__name__, why)
+            costs = {}
+            break
         loops = [n for n in r.loops if n > 8]  # (one-instruction loops are the trap at the kernel's end)
         costs[bt] = (r.spill_bytes > 0, loops[0] / bt if loops else float("inf"))
     narrow, wide = costs.get(BLOCK_T), costs.get(WIDE_BLOCK_T)

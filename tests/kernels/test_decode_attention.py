@@ -268,3 +268,65 @@ def test_int8_codes_read_as_words_decode_bit_exact(bias, out_dtype, device):
                                F16=out_dtype == torch.float16, ASM=not _interpreting())
     want = (codes.float() - bias).to(out_dtype)
     assert torch.equal(out_w, want) and torch.equal(out_b, want)
+
+
+class _StubKernel:
+    """Stands in for `_paged_split_kernel` in `_block_tokens`: warmup returns the BLOCK_T it was given."""
+
+    def __init__(self):
+        self.warmups = []
+
+    def warmup(self, *args, grid, **kwargs):
+        self.warmups.append(kwargs["BLOCK_T"])
+        return kwargs["BLOCK_T"]
+
+
+@pytest.mark.parametrize("compiled,expected", [
+    ({64: (605, 0), 128: (808, 0)}, 128),  # int8 at D=128: 9.45 -> 6.31 instructions per token
+    ({64: (1494, 0), 128: (2562, 56)}, 64),  # -outP: 128 is shorter per token but spills
+    ({64: (812, 0), 128: (1612, 0)}, 64),  # nuq4-g64: 0.7% fewer, not worth twice the shared memory
+    ({64: (894, 0), 128: (2210, 0)}, 64),  # nvfp4: longer at 128
+    ({64: (1599, 48), 128: (2836, 56)}, 128),  # both spill: the shorter per token
+])
+def test_block_tokens_chooses_from_the_compiled_code(compiled, expected, monkeypatch):
+    """The launcher's choice of 64 or 128 tokens per iteration (compiled builds only; here the compiler
+    and the SASS reader are stand-ins): 128 only where it spills no more than 64 and issues at most
+    WIDE_GAIN of 64's instructions per token; kept per variant on the registry (no second compile); D=256
+    and the interpreter take 64 without compiling; a reader that fails keeps 64 and says so."""
+    from kvquant.kernels import compiled as compiled_mod
+    from kvquant.kernels import decode_attention as da
+    from kvquant.kernels.compiled import KernelResources
+    from kvquant.kernels.registry import KernelRegistry
+
+    stub = _StubKernel()
+    monkeypatch.setattr(da, "_paged_split_kernel", stub)
+    monkeypatch.setattr(da, "_interpreting", lambda: False)
+    monkeypatch.setattr(compiled_mod, "resources", lambda bt: KernelResources(
+        "split", 4, 200, compiled[bt][1], 0, 2, loops=[compiled[bt][0], 1]))
+    plan = lambda bt: ((1, 1), (), {"BLOCK_T": bt}, None)  # noqa: E731
+    registry = KernelRegistry("test")
+    assert da._block_tokens(registry, 128, lambda: ("variant",), plan, 4) == expected
+    assert stub.warmups == [64, 128]
+    assert da._block_tokens(registry, 128, lambda: ("variant",), plan, 4) == expected  # kept: no compile
+    assert stub.warmups == [64, 128] and registry.blocks == {("variant",): expected}
+    assert da._block_tokens(registry, 256, lambda: ("other",), plan, 8) == 64 and len(stub.warmups) == 2
+    monkeypatch.setattr(da, "_interpreting", lambda: True)
+    assert da._block_tokens(KernelRegistry("t2"), 128, lambda: ("v",), plan, 4) == 64
+    assert len(stub.warmups) == 2
+
+
+def test_block_tokens_keeps_64_when_the_binary_cannot_be_read(monkeypatch, caplog):
+    from kvquant.kernels import compiled as compiled_mod
+    from kvquant.kernels import decode_attention as da
+    from kvquant.kernels.registry import KernelRegistry
+
+    def broken(kernel):
+        raise FileNotFoundError("cuobjdump")
+
+    monkeypatch.setattr(da, "_paged_split_kernel", _StubKernel())
+    monkeypatch.setattr(da, "_interpreting", lambda: False)
+    monkeypatch.setattr(compiled_mod, "resources", broken)
+    with caplog.at_level("WARNING", logger="kvquant.kernels.decode_attention"):
+        got = da._block_tokens(KernelRegistry("test"), 128, lambda: ("v",),
+                               lambda bt: ((1, 1), (), {"BLOCK_T": bt}, None), 4)
+    assert got == 64 and "cannot read the compiled kernel (FileNotFoundError" in caplog.text
