@@ -17,6 +17,7 @@ against the H200's ~18.4 B/clock/SM of HBM (4.8 TB/s), in %.
     python benchmarks/kernel_report.py --subset codebook   # nuq2/3/4, -center, -outP next to int8, int4-g64
     python benchmarks/kernel_report.py --subset engine     # GGUF blocks, vLLM per-token-head formats, same
     python benchmarks/kernel_report.py --measure      # + each variant run against its fp32 twin
+    python benchmarks/kernel_report.py --jobs 8       # compiled in 8 child processes (a GPU host's cores)
     python benchmarks/kernel_report.py --subset ci --measure --body 128   # the same on a CPU, interpreted
 
 --measure adds max_err (max |out - ref32| of the kernel's output against `decode_attention_ref(upcast=True)`),
@@ -247,12 +248,15 @@ def _from_key(k: str) -> Variant:
 
 
 def report(subset: str, out_csv: Path | None, verbose: bool = True, measure: bool = False,
-           body: int = 4096) -> list[dict]:
+           body: int = 4096, shard: tuple[int, int] | None = None) -> list[dict]:
     import torch
     from kvquant.kernels.compiled import ceiling_pct, compile_only, constexpr, resources
 
     rows = []
     vs = variants(subset)
+    if shard is not None:  # the i-th of n contiguous chunks (concatenated in order they are the whole list)
+        i, n = shard
+        vs = vs[len(vs) * i // n:len(vs) * (i + 1) // n]
     on_gpu = torch.cuda.is_available()
     errors = measure_errors(vs, body) if measure and not on_gpu else {}  # a CPU: one interpreted child
     writer = None
@@ -393,6 +397,41 @@ def print_row(r: dict) -> None:
           + (f"  self-check {r['self_check']} ({r['probe_ms']} ms)" if r.get("self_check") else ""))
 
 
+_INT_COLUMNS = ("head_dim", "regs", "spill_bytes", "smem_bytes", "programs_per_sm", "num_warps", "block_t",
+                "loop_instr_per_64_tokens", "fp_loop_instr", "bytes_per_64_tokens")
+
+
+def _run_jobs(args, subset: str, out: Path) -> list[dict]:
+    """--jobs N: N children of this script, each compiling a contiguous share of the variants into
+    <out>.shardI.csv (row by row, so a run cut short keeps what each child reached); their rows, merged in
+    variant order, are written to `out` and returned (numbers as numbers, as `report` gives them)."""
+    import subprocess
+
+    n = args.jobs
+    shards = [out.with_suffix(f".shard{i}.csv") for i in range(n)]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--subset", subset, "--body", str(args.body)]
+    procs = [subprocess.Popen(cmd + ["--shard", f"{i}/{n}", "--csv", str(shards[i])]
+                              + (["--measure"] if args.measure else [])) for i in range(n)]
+    codes = [p.wait() for p in procs]
+    rows = []
+    for i, path in enumerate(shards):
+        if codes[i] != 0 or not path.exists():
+            rows.append(dict(variant=f"shard {i}/{n}", kernel="", dtype="", head_dim="",
+                             error=f"the child compiling this share exited with {codes[i]}"))
+            continue
+        for r in csv.DictReader(path.open()):
+            rows.append({k: int(v) if k in _INT_COLUMNS and v not in ("", None) else v
+                         for k, v in r.items()})
+    with out.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        for r in rows:
+            writer.writerow({c: r.get(c, "") for c in COLUMNS})
+    for path in shards:
+        path.unlink(missing_ok=True)
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="D=128 fp16 variants only")
@@ -404,6 +443,10 @@ def main(argv=None) -> int:
                    help="also run each variant and record its max error against the fp32 reference "
                         "(on CUDA; on a CPU interpreted, in a child process: use a small --body)")
     p.add_argument("--body", type=int, default=4096, help="body tokens of the measured layer")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="compile in this many child processes, each a contiguous share of the variants "
+                        "(each writes its rows to <csv>.shardI.csv as it goes; merged in order at the end)")
+    p.add_argument("--shard", default=None, help=argparse.SUPPRESS)  # a child's share, "I/N"
     p.add_argument("--errors-only", default=None, help=argparse.SUPPRESS)  # the interpreted child's mode
     args = p.parse_args(argv)
     if args.errors_only is not None:
@@ -417,7 +460,13 @@ def main(argv=None) -> int:
     out = args.csv or Path(__file__).resolve().parent / "results" / "kernel_report.csv"
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     print(_HEADER)
-    rows = report(subset, out, measure=args.measure, body=args.body)
+    if args.jobs > 1:
+        rows = _run_jobs(args, subset, out)
+    else:
+        shard = tuple(int(x) for x in args.shard.split("/")) if args.shard else None
+        rows = report(subset, out, measure=args.measure, body=args.body, shard=shard)
+        if shard is not None:
+            return 0  # the parent merges, checks and writes the table
     write_markdown(rows, args.md or out.with_suffix(".md"), subset)
     failed = [r for r in rows if r.get("error")]
     bad = [r for r in rows if args.measure and "split" in r.get("kernel", "") and r.get("err_ok") != "true"]

@@ -27,16 +27,19 @@ def test_ci_subset_compiles_without_spills_within_shared_memory(tmp_path):
     compiles; the launcher compiled both token blocks at D=128 and kept 128 where it is cheaper and
     spills nothing (int8, int4-g64), 64 where 128 spills (-out1), 64 at D=256 without trying 128; with
     --measure each variant's output (interpreted here, 128 body tokens) is within the flash-attention
-    bound of its fp32 twin."""
+    bound of its fp32 twin. Compiled by two child processes (--jobs 2), merged in order."""
     out = tmp_path / "report.csv"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "kernel_report.py"), "--subset", "ci",
-                           "--measure", "--body", "128", "--csv", str(out)], capture_output=True, text=True,
-                           timeout=400, env=_env())
+                           "--measure", "--body", "128", "--jobs", "2", "--csv", str(out)],
+                          capture_output=True, text=True, timeout=400, env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = list(csv.DictReader(out.open()))
     split = [r for r in rows if "split" in r["kernel"]]
-    assert {r["variant"] for r in split} == {"int4-g64+sink+window", "int8", "kivi-2+sink+window",
-                                             "int4-g64-out1"}
+    # --jobs 2: two children, each a contiguous share, merged in the variants' order; no shard file left
+    assert [r["variant"] for r in split] == ["int4-g64+sink+window", "int8", "kivi-2+sink+window",
+                                             "int4-g64-out1"]
+    assert not list(tmp_path.glob("*.shard*"))
+    assert "| int4-g64-out1 | fp16 | 128 | 64 |" in out.with_suffix(".md").read_text()
     assert any(r["head_dim"] == "256" for r in split)
     block = {r["variant"]: (int(r["block_t"]), r["other_block"]) for r in split}
     for name in ("int8", "int4-g64+sink+window"):  # 128 chosen: the 64-token variant issues more per token
