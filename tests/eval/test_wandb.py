@@ -165,8 +165,18 @@ def test_unknown_mode_names_the_known_ones(tmp_path):
         log_run(make_run_dir(tmp_path), "upload")
 
 
-def test_offline_writes_one_run_per_scheme_and_a_comparison(tmp_path, wandb_env, init_spy):
+def test_offline_writes_one_run_per_scheme_and_a_comparison(tmp_path, wandb_env, init_spy, monkeypatch):
+    import wandb
+
     inits = init_spy
+    titles: list[str] = []
+    real_lines = wandb.plot.line_series
+
+    def lines_spy(**kwargs):
+        titles.append(kwargs["title"])
+        return real_lines(**kwargs)
+
+    monkeypatch.setattr(wandb.plot, "line_series", lines_spy)
     run_dir = make_run_dir(tmp_path)
     log_run(run_dir, "offline", project="kvq-test", group="g1")
 
@@ -217,7 +227,11 @@ def test_offline_writes_one_run_per_scheme_and_a_comparison(tmp_path, wandb_env,
     logs = b"".join(p.read_bytes() for p in media.rglob("run-*.wandb"))
     assert re.search(rb"all/drift[^0-9a-z]{1,6}0\.4(?![0-9])", logs)  # int2-g32's whole-document drift
     assert b"seq_len" in logs and b"kvq-test" in logs and b"all/kl_hi" in logs
-    assert b"PPL drift vs fp32 (reference) by sequence length" in logs  # the reference by its name
+    # the charts name the reference by its shown name. (Checked on the titles handed to W&B: in the log a
+    # chart's title is a config record of wandb-core's ("visualize"), which one CI run found missing from a
+    # finished offline log on a busy machine; not reproduced in 12 runs here.)
+    assert titles == ["PPL drift vs fp32 (reference) by sequence length [95% interval]",
+                      "KL vs fp32 (reference) (nats/token) by sequence length [95% interval]"]
 
 
 def test_display_name_follows_the_report():
