@@ -301,9 +301,8 @@ def report(subset: str, out_csv: Path | None, verbose: bool = True, measure: boo
             split = "split" in r.name
             bt = constexpr(k, "BLOCK_T") if split else ""
             # address order: the body loop is compiled before the FP (sink + window) loop, as in the source
-            # (by size would mislabel them where the FP loop is the longer one, as for int8 + sink + window);
-            # one-instruction loops are the trap at the kernel's end, not token loops
-            loops = [n for n in r.loops if n > 8]
+            # (by size would mislabel them where the FP loop is the longer one, as for int8 + sink + window)
+            loops = r.token_loops
             body_loop = round(loops[0] * 64 / bt) if split and loops else ""
             fp_loop = round(loops[1] * 64 / bt) if split and v.fp and len(loops) > 1 else ""
             ceiling = round(min(ceiling_pct(nbytes, body_loop, r.num_warps), 100.0), 1) if body_loop else ""
@@ -339,7 +338,7 @@ def _others(candidates: list, chosen: int) -> str:
         if bt == chosen:
             continue
         r = resources(k)
-        loops = [n for n in r.loops if n > 8]
+        loops = r.token_loops
         text = f"{bt}: {round(loops[0] * 64 / bt) if loops else '?'}"
         out.append(text + (f" (spills {r.spill_bytes} B)" if r.spill_bytes else ""))
     return "; ".join(dict.fromkeys(out))

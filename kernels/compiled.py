@@ -133,6 +133,12 @@ class KernelResources:
     limit: str = ""  # what bounds programs_per_sm
     instructions: int = 0  # SASS instructions of the whole kernel (straight-line kernels have no loops)
 
+    @property
+    def token_loops(self) -> list[int]:
+        """The loops over tokens, in address order (a split kernel's body loop, then its FP loop): those of
+        more than 8 instructions (a one-instruction loop is the trap at a kernel's end)."""
+        return [n for n in self.loops if n > 8]
+
 
 def _tool(name: str) -> str:
     path = _BIN / name

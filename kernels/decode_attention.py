@@ -849,21 +849,27 @@ def _splits(bh: int, ext: _Extent, num_splits: int | None, device: torch.device,
 
 
 def _constants(query: torch.Tensor, ext: _Extent, g: int, k_consts: tuple, v_consts: tuple, has_mask: bool,
-               idx64: bool, num_warps: int, body_stages: int | None, fp_stages: int, block_t: int) -> dict:
-    """The split kernel's constexprs (what one compiled variant is specialised on)."""
+               idx64: bool, body_stages: int | None, fp_stages: int) -> dict:
+    """The split kernel's constexprs (what one compiled variant is specialised on) but its token block
+    (`_at_block`)."""
     d = query.shape[3]
     return dict(
         H_KV=ext.h_kv, G=g, G_PAD=max(8, triton.next_power_of_2(g)),  # G_PAD: the N side of P V (mma n8)
-        D=d, BLOCK_T=block_t, BS=ext.bs, FBS=ext.fbs, IDX64=idx64,
+        D=d, BS=ext.bs, FBS=ext.fbs, IDX64=idx64,
         **{f"K_{name}": c for name, c in zip(_CODEC_CONSTS, k_consts, strict=True)},
         **{f"V_{name}": c for name, c in zip(_CODEC_CONSTS, v_consts, strict=True)},
         HAS_MASK=has_mask, HAS_BODY=ext.t_body > 0, HAS_FP=ext.has_fp,
         DOT_FP32=query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and _interpreting()),
         BODY_STAGES=body_stages or (2 if d <= 128 else 1),  # D=256, 2 stages: 116 KB of smem
         FP_STAGES=fp_stages,
-        W=min(num_warps, block_t // 16),  # token slabs with a running softmax each (>= 16 tokens)
         ASM=not _interpreting(),
     )
+
+
+def _at_block(consts: dict, block_t: int, num_warps: int) -> dict:
+    """`_constants` at block_t tokens per iteration, cut into W slabs with a running softmax each (one per
+    warp, >= 16 tokens)."""
+    return dict(consts, BLOCK_T=block_t, W=min(num_warps, block_t // 16))
 
 
 def _variant(query: torch.Tensor, fpk: torch.Tensor, kb: tuple, vb: tuple, consts: dict, num_warps: int):
@@ -912,8 +918,6 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
         m = torch.empty((bh, splits.nsplit, g), dtype=torch.float32, device=query.device)  # running max
         l_ = torch.empty_like(m)  # running sum
         acc = torch.empty((bh, splits.nsplit, g, d), dtype=torch.float32, device=query.device)
-        consts = _constants(query, ext, g, k_consts, v_consts, has_mask, idx64, num_warps, body_stages,
-                            fp_stages, bt)
         args = (
             q3, *q3.stride()[:2],
             fpk, fpv,
@@ -925,22 +929,21 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
             m, l_, acc,
             splits.n_body, splits.nsplit, splits.body_chunk, splits.fp_chunk, scale * _LOG2E,
         )
-        return (splits.nsplit, bh), args, consts, (m, l_, acc)
+        return (splits.nsplit, bh), args, _at_block(consts, bt, num_warps), (m, l_, acc)
 
+    consts = _constants(query, ext, g, k_consts, v_consts, has_mask, idx64, body_stages, fp_stages)
+    variant = _variant(query, fpk, kb, vb, consts, num_warps)  # all but the block, which follows from it
     if block_t is None:
-        key = lambda: (_variant(query, fpk, kb, vb, _constants(  # noqa: E731
-            query, ext, g, k_consts, v_consts, has_mask, idx64, num_warps, body_stages, fp_stages, BLOCK_T),
-            num_warps), str(query.device))
-        block_t = _block_tokens(registry, d, key, plan, num_warps)
+        block_t = _block_tokens(registry, d, (variant, str(query.device)), plan, num_warps)
     elif block_t < 16 or block_t & (block_t - 1):
         raise ValueError(f"decode_attention: block_t must be a power of two >= 16 (64 or 128), got {block_t}")
-    grid, args, consts, (m, l_, acc) = plan(block_t)
+    grid, args, block_consts, (m, l_, acc) = plan(block_t)
+    variant = (*variant, ("BLOCK_T", block_t))
     spec = _ProbeSpec(query.dtype, fpk.dtype, key_codec, value_codec, ext.h_kv, g, d, ext.bs, ext.fbs,
                       ext.t_body > 0, ext.has_fp, has_mask, num_warps, body_stages, fp_stages, idx64, block_t)
-    variant = _variant(query, fpk, kb, vb, consts, num_warps)
     if not _trusted(registry, variant, spec, query.device):
         return None
-    if not registry.launch(_paged_split_kernel, grid, args, dict(consts, num_warps=num_warps), variant):
+    if not registry.launch(_paged_split_kernel, grid, args, dict(block_consts, num_warps=num_warps), variant):
         return None
     o3 = out[:, 0]  # (B, H_q, D)
     reduce_args = (m, l_, acc, o3, *o3.stride()[:2], ext.h_kv, grid[0])
@@ -950,7 +953,7 @@ def _launch(query, fp_k, fp_v, key_pages, value_pages, key_codec, value_codec, s
     return out
 
 
-def _block_tokens(registry, d: int, key, plan, num_warps: int) -> int:
+def _block_tokens(registry, d: int, key: tuple, plan, num_warps: int) -> int:
     """Tokens per loop iteration of a split-kernel variant: WIDE_BLOCK_T (128) where, compiled, it spills
     nothing and its first loop (the body's; the FP loop's when there is no body) issues at most WIDE_GAIN
     of the instructions per token it issues at BLOCK_T (64), else 64. At 128 each warp's slab is 32
@@ -965,8 +968,7 @@ def _block_tokens(registry, d: int, key, plan, num_warps: int) -> int:
     (4 x 128 x 256 tiles do not fit in registers) take 64."""
     if d > 128 or _interpreting():
         return BLOCK_T
-    blocks = getattr(registry, "blocks", None)
-    key = key()  # (the variant at BLOCK_T, the device)
+    blocks = getattr(registry, "blocks", None)  # key: (the variant but its block, the device)
     if blocks is not None and key in blocks:
         return blocks[key]
     from .compiled import resources
@@ -990,7 +992,7 @@ def _block_tokens(registry, d: int, key, plan, num_warps: int) -> int:
                            "iteration", type(exc).__name__, why)
             costs = {}
             break
-        loops = [n for n in r.loops if n > 8]  # (one-instruction loops are the trap at the kernel's end)
+        loops = r.token_loops
         costs[bt] = (r.spill_bytes > 0, loops[0] / bt if loops else float("inf"))
     narrow, wide = costs.get(BLOCK_T), costs.get(WIDE_BLOCK_T)
     choice = BLOCK_T

@@ -305,13 +305,13 @@ def test_block_tokens_chooses_from_the_compiled_code(compiled, expected, monkeyp
         "split", 4, 200, compiled[bt][1], 0, 2, loops=[compiled[bt][0], 1]))
     plan = lambda bt: ((1, 1), (), {"BLOCK_T": bt}, None)  # noqa: E731
     registry = KernelRegistry("test")
-    assert da._block_tokens(registry, 128, lambda: ("variant",), plan, 4) == expected
+    assert da._block_tokens(registry, 128, ("variant",), plan, 4) == expected
     assert stub.warmups == [64, 128]
-    assert da._block_tokens(registry, 128, lambda: ("variant",), plan, 4) == expected  # kept: no compile
+    assert da._block_tokens(registry, 128, ("variant",), plan, 4) == expected  # kept: no compile
     assert stub.warmups == [64, 128] and registry.blocks == {("variant",): expected}
-    assert da._block_tokens(registry, 256, lambda: ("other",), plan, 8) == 64 and len(stub.warmups) == 2
+    assert da._block_tokens(registry, 256, ("other",), plan, 8) == 64 and len(stub.warmups) == 2
     monkeypatch.setattr(da, "_interpreting", lambda: True)
-    assert da._block_tokens(KernelRegistry("t2"), 128, lambda: ("v",), plan, 4) == 64
+    assert da._block_tokens(KernelRegistry("t2"), 128, ("v",), plan, 4) == 64
     assert len(stub.warmups) == 2
 
 
@@ -327,6 +327,6 @@ def test_block_tokens_keeps_64_when_the_binary_cannot_be_read(monkeypatch, caplo
     monkeypatch.setattr(da, "_interpreting", lambda: False)
     monkeypatch.setattr(compiled_mod, "resources", broken)
     with caplog.at_level("WARNING", logger="kvquant.kernels.decode_attention"):
-        got = da._block_tokens(KernelRegistry("test"), 128, lambda: ("v",),
+        got = da._block_tokens(KernelRegistry("test"), 128, ("v",),
                                lambda bt: ((1, 1), (), {"BLOCK_T": bt}, None), 4)
     assert got == 64 and "cannot read the compiled kernel (FileNotFoundError" in caplog.text
