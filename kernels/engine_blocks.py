@@ -49,8 +49,13 @@ import triton.language as tl
 from .codebook import _join4 as join4
 from .codebook import join8, lut4
 from .codes import w32_bytes, w32_nibbles
+from .layouts import engine_parts
 
 __all__ = ["engine_body"]
+
+
+# the part shape, computed at compile time by the same function `engine_order` calls
+_engine_parts = triton.constexpr_function(engine_parts)
 
 
 @triton.jit
@@ -228,7 +233,7 @@ def engine_body(c_ptr, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, row, valid, BLOCK
     the format's 16-value table (`engine_levels`; unused for q8_0, q4_x, q5_x), t0..t7 its PRMT planes
     (`kernels.codebook.lut_tables`, compiled path). ENG: the format's id (module docstring). Each code
     word is scaled where it was decoded, with its own copy of its block's scale. The row is read in
-    P = NG * WG parts (module docstring; `engine_order` has the same constants): q8_0, iq4_nl, mxfp4 in
+    P = NG * WG parts (module docstring; `kvquant.kernels.layouts.engine_parts`): q8_0, iq4_nl, mxfp4 in
     WG = 4 groups of words of every block (2 where 4 would split an A-byte unit), nvfp4 a block a part (up to
     4), q4_x, q5_x 2 groups of blocks x 2 of words."""
     BLK: tl.constexpr = 64 if ENG == 8 else 32
@@ -238,11 +243,11 @@ def engine_body(c_ptr, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, row, valid, BLOCK
                          else 6 if ENG == 4 else 8 if ENG == 5 else 1)
     NQ: tl.constexpr = 32 if ENG == 1 or ENG == 8 else 16
     NB: tl.constexpr = D // BLK
-    A: tl.constexpr = 8 if (NB * TS) % 8 == 0 and NQ % 8 == 0 and BLK == 32 else 4  # the unit of reads
-    BYW: tl.constexpr = ENG == 1 or ENG == 6 or ENG == 7  # parts of words
-    NG: tl.constexpr = 1 if BYW else min(4 if ENG == 8 else 2, NB)
-    WG0: tl.constexpr = 4 if BYW else 1 if ENG == 8 else 2
-    WG: tl.constexpr = WG0 if NQ // 4 // WG0 * 4 >= A else NQ // A  # a part's words: whole units
+    PARTS: tl.constexpr = _engine_parts(ENG, NB, TS, NQ, BLK)  # (unit of reads, parts, their join)
+    A: tl.constexpr = PARTS[0]
+    NG: tl.constexpr = PARTS[1]
+    WG: tl.constexpr = PARTS[2]
+    RUNS: tl.constexpr = PARTS[3]
     P: tl.constexpr = NG * WG  # 1, 2 or 4
     MATH: tl.constexpr = tl.float16 if OUT == tl.float16 else tl.float32
     F32: tl.constexpr = OUT == tl.float32
@@ -258,6 +263,6 @@ def engine_body(c_ptr, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, row, valid, BLOCK
                        NQ, NB, A, NG, WG, 3, MATH, F32, ASM)
             x = tl.join(x, tl.join(x1, x3))
         # so channel P c + s holds channel c of part s
-        if ENG != 2 and ENG != 3 and ENG != 4 and ENG != 5:  # runs of channels: C s + c
+        if RUNS:  # runs of channels: C s + c
             x = tl.permute(tl.reshape(x, (BLOCK_T, D // P, P)), (0, 2, 1))
     return tl.reshape(x, (BLOCK_T, D)).to(OUT)

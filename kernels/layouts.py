@@ -99,6 +99,22 @@ def engine_layout(codec: EngineCodec) -> EngineKernelLayout:
                               lut=table is not None)
 
 
+def engine_parts(kernel_id: int, nb: int, type_size: int, code_bytes: int, block: int) -> tuple:
+    """How the decode kernel reads a row of nb GGUF blocks (`kernels.engine_blocks.engine_body`, which calls
+    this at compile time, and `engine_order`): (a, ng, wg, runs). a: the unit of reads, 8 bytes where rows
+    and codes are whole 8-byte words (32-blocks), else 4; ng groups of blocks x wg groups of each block's
+    code words make the row's parts (q8_0, iq4_nl, mxfp4: 4 groups of words, 2 where 4 would split a unit;
+    nvfp4: a block a part, up to 4; q4_x, q5_x: 2 x 2); runs: the parts are joined as runs of channels
+    (kernel channel C s + c is channel c of part s, C = D / parts), else interleaved (P c + s)."""
+    a = 8 if (nb * type_size) % 8 == 0 and code_bytes % 8 == 0 and block == 32 else 4
+    words = kernel_id in (1, 6, 7)  # parts of words
+    ng = 1 if words else min(4 if kernel_id == 8 else 2, nb)
+    wg0 = 4 if words else 1 if kernel_id == 8 else 2
+    nqw = code_bytes // 4
+    wg = wg0 if nqw // wg0 * 4 >= a else nqw * 4 // a  # a part's words: whole units
+    return a, ng, wg, kernel_id == 1 or kernel_id >= 6
+
+
 def engine_order(lay: EngineKernelLayout, d: int) -> list[int]:
     """The element (0..D-1, in the frame the blocks store) that each channel of the kernel decodes.
     Within block b, kernel channel p: its code bytes rotated by r = (b * type_size + header) % a, a = 8 where
@@ -106,17 +122,12 @@ def engine_order(lay: EngineKernelLayout, d: int) -> list[int]:
     code_bytes; the kernel reads an unaligned block from the unit before its codes), then in the word
     helpers' order: 8-bit, one byte per element; 4-bit, byte j's low nibble then its high nibble, which
     ggml's 32-blocks give elements j and j + 16 and nvfp4's 16-sub-blocks (8 bytes each) elements j and j + 8.
-    The kernel reads a row in parts (`kernels.engine_blocks.engine_body`: ng groups of blocks x wg groups of
-    each block's words, the same constants) and joins them: part s's channel c is kernel channel
-    s * D / parts + c (q8_0, iq4_nl, mxfp4, nvfp4) or c * parts + s (q4_x, q5_x)."""
+    The kernel reads a row in parts (`engine_parts`: ng groups of blocks x wg groups of each block's words)
+    and joins them: part s's channel c is kernel channel s * D / parts + c (q8_0, iq4_nl, mxfp4, nvfp4) or
+    c * parts + s (q4_x, q5_x)."""
     nq, nb = lay.code_bytes, d // lay.block
     nqw, vpw = nq // 4, lay.block // (nq // 4)  # code words per block, values per word
-    a = 8 if (nb * lay.type_size) % 8 == 0 and nq % 8 == 0 and lay.block == 32 else 4
-    kid = lay.kernel_id
-    ng = 1 if kid in (1, 6, 7) else min(4 if kid == 8 else 2, nb)
-    wg0 = 4 if kid in (1, 6, 7) else 1 if kid == 8 else 2
-    wg = wg0 if nqw // wg0 * 4 >= a else nqw * 4 // a
-    cat = kid == 1 or kid >= 6
+    a, ng, wg, cat = engine_parts(lay.kernel_id, nb, lay.type_size, nq, lay.block)
     parts, nbp, kw = ng * wg, nb // ng, nqw // wg
     out = []
     for ch in range(d):

@@ -22,7 +22,8 @@ def _env(**extra) -> dict:
 
 
 def test_ci_subset_compiles_without_spills_within_shared_memory(tmp_path):
-    """int4-g64 with sink+window, int8 and int4-g64-out1 at D=128, KIVI-2 at D=256: no spills, <= 110 KB
+    """int4-g64 with sink+window, int8, int4-g64-out1 and two GGUF formats (q8_0: parts of words joined as
+    runs of channels; q4_0: 2 x 2 parts interleaved) at D=128, KIVI-2 at D=256: no spills, <= 110 KB
     shared memory, two programs per SM at D=128 (one of 8 warps at D=256, register-bound), and D=256
     compiles; the launcher compiled both token blocks at D=128 and kept 128 where it is cheaper and
     spills nothing (int8, int4-g64), 64 where 128 spills (-out1), 64 at D=256 without trying 128; with
@@ -37,7 +38,7 @@ def test_ci_subset_compiles_without_spills_within_shared_memory(tmp_path):
     split = [r for r in rows if "split" in r["kernel"]]
     # --jobs 2: two children, each a contiguous share, merged in the variants' order; no shard file left
     assert [r["variant"] for r in split] == ["int4-g64+sink+window", "int8", "kivi-2+sink+window",
-                                             "int4-g64-out1"]
+                                             "int4-g64-out1", "q8_0", "q4_0"]
     assert not list(tmp_path.glob("*.shard*"))
     assert "| int4-g64-out1 | fp16 | 128 | 64 |" in out.with_suffix(".md").read_text()
     assert any(r["head_dim"] == "256" for r in split)
