@@ -49,12 +49,13 @@ import triton.language as tl
 from .codebook import _join4 as join4
 from .codebook import join8, lut4
 from .codes import w32_bytes, w32_nibbles
-from .layouts import engine_parts
+from .layouts import engine_format, engine_parts
 
 __all__ = ["engine_body"]
 
 
-# the part shape, computed at compile time by the same function `engine_order` calls
+# a format's constants and the part shape, computed at compile time by the functions `engine_order` calls
+_engine_format = triton.constexpr_function(engine_format)
 _engine_parts = triton.constexpr_function(engine_parts)
 
 
@@ -236,12 +237,11 @@ def engine_body(c_ptr, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, row, valid, BLOCK
     P = NG * WG parts (module docstring; `kvquant.kernels.layouts.engine_parts`): q8_0, iq4_nl, mxfp4 in
     WG = 4 groups of words of every block (2 where 4 would split an A-byte unit), nvfp4 a block a part (up to
     4), q4_x, q5_x 2 groups of blocks x 2 of words."""
-    BLK: tl.constexpr = 64 if ENG == 8 else 32
-    TS: tl.constexpr = (34 if ENG == 1 else 18 if ENG == 2 or ENG == 6 else 20 if ENG == 3 else 22 if ENG == 4
-                        else 24 if ENG == 5 else 17 if ENG == 7 else 36)
-    HDR: tl.constexpr = (2 if ENG == 1 or ENG == 2 or ENG == 6 else 4 if ENG == 3 or ENG == 8
-                         else 6 if ENG == 4 else 8 if ENG == 5 else 1)
-    NQ: tl.constexpr = 32 if ENG == 1 or ENG == 8 else 16
+    FMT: tl.constexpr = _engine_format(ENG)  # (block, type_size, header, code bytes): ENGINE_KERNEL_FORMATS
+    BLK: tl.constexpr = FMT[0]
+    TS: tl.constexpr = FMT[1]
+    HDR: tl.constexpr = FMT[2]
+    NQ: tl.constexpr = FMT[3]
     NB: tl.constexpr = D // BLK
     PARTS: tl.constexpr = _engine_parts(ENG, NB, TS, NQ, BLK)  # (unit of reads, parts, their join)
     A: tl.constexpr = PARTS[0]

@@ -76,9 +76,8 @@ class EngineKernelLayout(KernelLayout):
     lut: bool = False
 
 
-# format: (kernel id, block, type_size, header bytes, code bytes, 16-value table or None); the kernel's own
-# copy of these constants is in kernels/engine_blocks.py (tests check one against the other, and both
-# against kvquant.codecs.engine.BLOCK_TYPES)
+# format: (kernel id, block, type_size, header bytes, code bytes, 16-value table or None); the kernel reads
+# them at compile time by its id (`engine_format`); tests check them against kvquant.codecs.engine.BLOCK_TYPES
 ENGINE_KERNEL_FORMATS: dict[str, tuple] = {
     "q8_0": (1, 32, 34, 2, 32, None),
     "q4_0": (2, 32, 18, 2, 16, None),
@@ -89,6 +88,21 @@ ENGINE_KERNEL_FORMATS: dict[str, tuple] = {
     "mxfp4": (7, 32, 17, 1, 16, MXFP4_VALUES),
     "nvfp4": (8, 64, 36, 4, 32, MXFP4_VALUES),
 }
+
+
+# (kernel id, block, type_size, header, code bytes) of each format: plain integers, which Triton can hash as
+# a global of the compile-time function below (the table's 16 values are tensors)
+_KERNEL_FORMATS = tuple(tuple(f[:5]) for f in ENGINE_KERNEL_FORMATS.values())
+
+
+def engine_format(kernel_id: int) -> tuple:
+    """(block, type_size, header bytes, code bytes) of the format the kernel knows by `kernel_id`
+    (`kernels.engine_blocks.engine_body` calls this at compile time: no method calls in it, which
+    Triton's dependency walk refuses)."""
+    for f in _KERNEL_FORMATS:
+        if f[0] == kernel_id:
+            return f[1:]
+    raise ValueError(f"no GGUF kernel format has id {kernel_id}")
 
 
 def engine_layout(codec: EngineCodec) -> EngineKernelLayout:
