@@ -124,6 +124,23 @@ def _stat(ptr, offs, mask, SYM: tl.constexpr, BITS: tl.constexpr, OUT: tl.conste
 
 
 @triton.jit
+def _runtime_zero(n):
+    """0 for any int32 n >= 0 (a token count), as a value the compiler cannot prove constant.
+
+    For `_load_body`'s codebook planes: ptxas keeps planes it knows are uniform in uniform registers and
+    copies them into a regular register before every PRMT lookup (124 copies per 128 tokens of
+    `nuq3-g64`); planes OR-ed with this zero stay in regular registers. Measured on sm_90 SASS (SASS
+    instructions per 64 tokens; docs/kernels.md), it pays only at D = 128 with 128-token blocks:
+    `nuq4-g64` 806 -> 685, `nuq3-g64` 710 -> 685, iq4_nl 852 -> 800, mxfp4 916 -> 796 (fp16); at D = 64
+    and 256 and at 64-token blocks it compiles longer (`nuq4-g64` at D = 64 401 -> 432, iq4_nl at D = 256
+    801 -> 899). Where it is applied is what compiled shortest: OR-ed per row for 4-bit codes, per 12-byte
+    group for 3-bit ones but fp16 attention with one scale per token (`nuq3`: 678 -> 691 with it), not for
+    2-bit ones; the GGUF tables of iq4_nl and mxfp4 per row in fp16 attention only (not in bf16, nor
+    nvfp4's: 894 -> 930)."""
+    return n >> 31
+
+
+@triton.jit
 def _load_body(
     c_ptr, s_ptr, z_ptr, lv_ptr, o_ptr, ov_ptr, oi_ptr, tab, pg, slot, h, valid, tab_row, s_btn, t0, hi,
     B_OFF,
@@ -166,12 +183,18 @@ def _load_body(
     point at (the pool seen as fp16 from the first stat: a token's stat at row * SLOT / 2). (A key's norm
     correction, NC, is `_attend`'s: x is the centroids, s the norm.)"""
     offs_d = tl.arange(0, D)
+    WIDE128: tl.constexpr = D == 128 and BLOCK_T == 128  # opaque planes compile shorter (`_runtime_zero`)
     row = (pg * H_KV + h) * BS + slot  # (BLOCK_T,) row of the (P * H * BS, cols) pool
     if IDX64:
         row = row.to(tl.int64)
     none = tl.zeros((BLOCK_T,), tl.float32)
     if ENG > 0:
-        x = engine_body(c_ptr, lv_ptr, tab[0], tab[1], tab[2], tab[3], tab[4], tab[5], tab[6], tab[7], row,
+        t0_, t1_, t2_, t3_, t4_, t5_, t6_, t7_ = tab
+        if ASM and WIDE128 and (ENG == 6 or ENG == 7) and OUT == tl.float16:  # iq4_nl, mxfp4: `_runtime_zero`
+            zz = (row & _runtime_zero(hi))[:, None, None]
+            t0_, t1_, t2_, t3_ = t0_ | zz, t1_ | zz, t2_ | zz, t3_ | zz
+            t4_, t5_, t6_, t7_ = t4_ | zz, t5_ | zz, t6_ | zz, t7_ | zz
+        x = engine_body(c_ptr, lv_ptr, t0_, t1_, t2_, t3_, t4_, t5_, t6_, t7_, row,
                         valid, BLOCK_T, D, ENG, OUT, ASM)
         s = none
         z = none
@@ -204,7 +227,19 @@ def _load_body(
                     COLW: tl.constexpr = D * BITS // 32
                     p = tl.load(c_ptr + row[:, None] * COLW + tl.arange(0, COLW)[None, :],
                                 mask=valid[:, None], other=0)
-                c = lut_words(p, lv_ptr, tab[0], tab[1], tab[2], tab[3], tab[4], tab[5], tab[6], tab[7],
+                t0_, t1_, t2_, t3_, t4_, t5_, t6_, t7_ = tab
+                OPAQUE: tl.constexpr = WIDE128 and (BITS == 4 or (BITS == 3 and (TE > 1 or CE < D
+                                                                               or OUT != tl.float16)))
+                if ASM and not F32 and OPAQUE:  # codebook planes in regular registers (`_runtime_zero`)
+                    zero = _runtime_zero(hi)
+                    if BITS == 4:  # per token row
+                        zz = (row & zero)[:, None]
+                        t0_, t1_, t2_, t3_ = t0_ | zz, t1_ | zz, t2_ | zz, t3_ | zz
+                        t4_, t5_, t6_, t7_ = t4_ | zz, t5_ | zz, t6_ | zz, t7_ | zz
+                    else:  # per 12-byte group of 3-bit codes (only planes 0-3 are used)
+                        zz = p[2] & zero
+                        t0_, t1_, t2_, t3_ = t0_ | zz, t1_ | zz, t2_ | zz, t3_ | zz
+                c = lut_words(p, lv_ptr, t0_, t1_, t2_, t3_, t4_, t5_, t6_, t7_,
                               BLOCK_T, D, BITS, F32, ASM and not F32).to(MATH)  # (BLOCK_T, D)
             else:  # (a TurboQuant key's rows are not whole words: its codes take this path too)
                 c = _level(lv_ptr, _code_ints(c_ptr, row, valid, BLOCK_T, D, BITS, SLOT), F32).to(MATH)

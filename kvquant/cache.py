@@ -653,11 +653,12 @@ def _load_calibration(path: str):
     return load_calibration(path)
 
 
-def _model_rope(config):
+def _model_ropes(config) -> tuple:
+    """The model's RoPE of each decoder layer (`kvquant.rope.Rope.for_layers`), for -prerope keys."""
     from .rope import Rope, RopeError
 
     try:
-        return Rope.from_config(config)
+        return Rope.for_layers(config)
     except RopeError as e:
         raise ValueError(f"-prerope: {e}") from None
 
@@ -769,7 +770,7 @@ class QuantizedCache(Cache):
                 self.scheme.check_positions(positions, page_size=block_size)
             if calib is not None:
                 calib.check_model(shape, self.scheme)
-            rope = _model_rope(config) if self.scheme.prerope else None
+            ropes = _model_ropes(config) if self.scheme.prerope else (None,) * shape.num_layers
             self._expect = _Expect(getattr(quirks.text_config(config), "_attn_implementation", None))
             layers = [
                 QuantizedLayer(
@@ -777,7 +778,7 @@ class QuantizedCache(Cache):
                     sliding_window=shape.window_of(i),
                     layer_idx=i,
                     calib=calib,
-                    rope=rope,
+                    rope=ropes[i],
                     **kwargs,
                 )
                 for i in range(shape.num_layers)

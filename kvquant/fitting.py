@@ -68,11 +68,11 @@ def _collect(model, documents, entries, *, max_samples: int, seed: int, progress
 
     entries = list(entries)
     shape = KVShape.from_config(model.config)
-    rope = None
+    ropes = None  # each layer's RoPE (Gemma-3: one per layer type)
     if any(e.spec.prerope for e in entries):
         from .rope import Rope
 
-        rope = Rope.from_config(model.config)
+        ropes = Rope.for_layers(model.config)
     per_doc = max(max_samples // max(len(documents), 1), 1)
     g = torch.Generator().manual_seed(seed)
 
@@ -88,6 +88,7 @@ def _collect(model, documents, entries, *, max_samples: int, seed: int, progress
         for layer_idx, role, spec in sorted(keys, key=str):
             layer = cache.layers[layer_idx]
             x = (layer.keys if role == "k" else layer.values).float()  # (1, H, T, D) at positions 0..
+            rope = ropes[layer_idx] if ropes is not None else None
             codec = codec_for(spec, shape.num_kv_heads, shape.head_dim, torch.float32, rope=rope)
             t = x.shape[2] - x.shape[2] % codec.token_group
             v = codec.codebook_values(x[:, :, :t], 0).flatten()  # normalized as the codec does (RoPE undone)

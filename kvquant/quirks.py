@@ -23,10 +23,12 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 __all__ = [
     "AttentionShape",
+    "LAYER_TYPE_ROPE_MODELS",
     "ROTATE_HALF_MODELS",
     "RopeConfig",
     "SLIDING_ATTENTION",
@@ -43,8 +45,7 @@ __all__ = [
 SLIDING_ATTENTION = "sliding_attention"  # transformers' name in `layer_types` for a sliding-window layer
 
 # model types whose attention applies transformers' rotate-half RoPE to all of head_dim, one RoPE for all
-# layers: the ones `-prerope` can invert (kvquant.rope). Gemma-3 is not one (local and global layers use
-# different bases), nor are models with a partial rotary factor.
+# layers: the ones `-prerope` can invert (kvquant.rope); models with a partial rotary factor are not.
 ROTATE_HALF_MODELS = (
     "llama",
     "mistral",
@@ -56,6 +57,10 @@ ROTATE_HALF_MODELS = (
     "granite",
     "olmo2",
 )
+# model types with rotate-half RoPE over all of head_dim but one RoPE per layer type: `rope_parameters`
+# keyed by the `layer_types` names (Gemma-3: local layers at base 10,000, global ones at 1,000,000), and
+# the package of transformers that builds their rotary module
+LAYER_TYPE_ROPE_MODELS = MappingProxyType({"gemma3_text": "gemma3"})
 
 
 def _get(config: Any, name: str) -> Any:
@@ -164,6 +169,7 @@ class RopeConfig:
     rope_type: str | None  # None when the parameters are not one dict
     parameters: Any  # `rope_parameters` as the config has it ({} when absent)
     partial_rotary_factor: float | None  # of head_dim that rotates; None when the parameters are not a dict
+    layer_kinds: tuple[str, ...] = ()  # each layer's `layer_types` entry: what its RoPE is keyed by (Gemma-3)
 
 
 def rope_config(config: Any) -> RopeConfig:
@@ -172,15 +178,16 @@ def rope_config(config: Any) -> RopeConfig:
     names neither); a partial rotary factor from the parameters or the config (Phi, StableLM, GPT-NeoX).
 
     Gemma-3 keeps one parameter dict per layer type ({"sliding_attention": ..., "full_attention": ...}):
-    it reads here as a "default" type; `kvquant.rope` refuses Gemma-3 by its model type before that
-    matters."""
+    it reads here as a "default" type; `kvquant.rope` reads each layer type's dict itself
+    (`LAYER_TYPE_ROPE_MODELS`)."""
     text = text_config(config)
     params = _get(text, "rope_parameters") or {}
+    types = tuple(_get(text, "layer_types") or ())
     if not isinstance(params, dict):
-        return RopeConfig(text, _get(text, "model_type"), None, params, None)
+        return RopeConfig(text, _get(text, "model_type"), None, params, None, types)
     rope_type = params.get("rope_type", params.get("type", "default"))
     factor = float(params.get("partial_rotary_factor", _get(text, "partial_rotary_factor")) or 1.0)
-    return RopeConfig(text, _get(text, "model_type"), rope_type, params, factor)
+    return RopeConfig(text, _get(text, "model_type"), rope_type, params, factor, types)
 
 
 def final_logit_softcap(config: Any) -> float | None:

@@ -20,10 +20,13 @@ returns the model's key to the rounding of the compute dtype (1e-16 in float64).
 
 Supported RoPE types: default, linear, llama3, yarn (frequencies fixed once). Refused: dynamic and longrope
 (their frequencies change with the sequence length), and models whose RoPE is not rotate-half over the full
-head dim or differs by layer (Gemma-3's local/global bases, partial rotary factors): `Rope.from_config` raises
-naming the type. Positions are cache indices: with left padding, a padded row's keys are un-rotated by an
-angle offset by its padding (a fixed rotation for the whole row), and re-rotated by the same, so attention
-is still exact; only the frame the quantizer sees is turned by that constant.
+head dim (partial rotary factors): `Rope.from_config` raises naming the type. A model with one RoPE per
+layer type (Gemma-3: local layers at base 10,000, global ones at 1,000,000) gets each layer's own
+(`Rope.from_config(config, layer)`, `Rope.for_layers`: what the cache and the calibration use).
+
+Positions are cache indices: with left padding, a padded row's keys are un-rotated by an angle offset by
+its padding (a fixed rotation for the whole row), and re-rotated by the same, so attention is still exact;
+only the frame the quantizer sees is turned by that constant.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import importlib
 
 import torch
 
-from .quirks import ROTATE_HALF_MODELS, rope_config
+from .quirks import LAYER_TYPE_ROPE_MODELS, ROTATE_HALF_MODELS, attention_shape, rope_config
 
 __all__ = ["Rope", "RopeError", "SUPPORTED_ROPE_TYPES", "ROTATE_HALF_MODELS"]
 
@@ -48,6 +51,27 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _check_parameters(rope_type: str | None, params, partial_rotary_factor: float | None) -> None:
+    """RopeError unless the RoPE's frequencies are fixed and it turns the whole head dim."""
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise RopeError(
+            f"-prerope does not support RoPE type {rope_type!r} ({params}); supported: "
+            f"{', '.join(SUPPORTED_ROPE_TYPES)} "
+            "(dynamic and longrope change their frequencies with the length)"
+        )
+    if partial_rotary_factor != 1.0:
+        raise RopeError("-prerope supports RoPE over the full head dim only (partial_rotary_factor != 1)")
+
+
+def _rotary_module(model_type: str, package: str):
+    """The rotary embedding class of transformers' `models.<package>` (RopeError unless it has one)."""
+    module = importlib.import_module(f"transformers.models.{package}.modeling_{package}")
+    rotary = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding")]
+    if len(rotary) != 1:
+        raise RopeError(f"cannot find the rotary embedding of model type {model_type!r}")
+    return rotary[0]
+
+
 class Rope:
     """inv_freq (D/2,) float32 and the attention scaling of a model's rotary embedding."""
 
@@ -58,30 +82,62 @@ class Rope:
         self.head_dim = 2 * self.inv_freq.numel()
 
     @classmethod
-    def from_config(cls, config) -> Rope:
-        """The rotary embedding a transformers model builds from `config` (RopeError if unsupported)."""
+    def from_config(cls, config, layer: int | None = None) -> Rope:
+        """The rotary embedding a transformers model builds from `config` for its decoder layer `layer`
+        (RopeError if unsupported). `layer` may be left out where one RoPE serves every layer; a model with
+        one per layer type (`LAYER_TYPE_ROPE_MODELS`, Gemma-3) needs it."""
         rc = rope_config(config)
-        model_type, params, rope_type = rc.model_type, rc.parameters, rc.rope_type
+        model_type = rc.model_type
+        if model_type in LAYER_TYPE_ROPE_MODELS:
+            return cls._of_layer_type(rc, layer)
         if model_type not in ROTATE_HALF_MODELS:
             raise RopeError(
                 f"-prerope cannot invert the RoPE of model type {model_type!r}; supported model types: "
-                f"{', '.join(ROTATE_HALF_MODELS)} "
-                "(rotate-half RoPE over the full head dim, one for all layers)"
+                f"{', '.join((*ROTATE_HALF_MODELS, *LAYER_TYPE_ROPE_MODELS))} "
+                "(rotate-half RoPE over the full head dim)"
             )
-        if rope_type not in SUPPORTED_ROPE_TYPES:
+        _check_parameters(rc.rope_type, rc.parameters, rc.partial_rotary_factor)
+        emb = _rotary_module(model_type, model_type)(rc.text)
+        return cls(emb.inv_freq, emb.attention_scaling, rc.rope_type)
+
+    @classmethod
+    def _of_layer_type(cls, rc, layer: int | None) -> Rope:
+        """Layer `layer`'s RoPE in a model whose `rope_parameters` hold one dict per layer type."""
+        types = rc.layer_kinds
+        if not types or not isinstance(rc.parameters, dict):
+            raise RopeError(f"model type {rc.model_type!r} names no layer_types / per-type rope_parameters")
+        if layer is None:
+            kinds = ", ".join(sorted(set(types)))
             raise RopeError(
-                f"-prerope does not support RoPE type {rope_type!r} ({params}); supported: "
-                f"{', '.join(SUPPORTED_ROPE_TYPES)} "
-                "(dynamic and longrope change their frequencies with the length)"
+                f"model type {rc.model_type!r} has one RoPE per layer type ({kinds}): name the layer, "
+                "Rope.from_config(config, layer), or take Rope.for_layers(config)"
             )
-        if rc.partial_rotary_factor != 1.0:
-            raise RopeError("-prerope supports RoPE over the full head dim only (partial_rotary_factor != 1)")
-        module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
-        rotary = [getattr(module, n) for n in dir(module) if n.endswith("RotaryEmbedding")]
-        if len(rotary) != 1:
-            raise RopeError(f"cannot find the rotary embedding of model type {model_type!r}")
-        emb = rotary[0](rc.text)
-        return cls(emb.inv_freq, emb.attention_scaling, rope_type)
+        if not 0 <= layer < len(types):
+            raise RopeError(f"layer {layer} is not one of the model's {len(types)} layers")
+        kind = types[layer]
+        params = rc.parameters.get(kind)
+        if not isinstance(params, dict):
+            raise RopeError(f"model type {rc.model_type!r} has no RoPE parameters for layer type {kind!r}")
+        rope_type = params.get("rope_type", params.get("type", "default"))
+        factor = float(params.get("partial_rotary_factor", rc.partial_rotary_factor) or 1.0)
+        _check_parameters(rope_type, params, factor)
+        emb = _rotary_module(rc.model_type, LAYER_TYPE_ROPE_MODELS[rc.model_type])(rc.text)
+        return cls(getattr(emb, f"{kind}_inv_freq"), getattr(emb, f"{kind}_attention_scaling"), rope_type)
+
+    @classmethod
+    def for_layers(cls, config) -> tuple[Rope, ...]:
+        """One Rope per decoder layer: the one RoPE of most models, shared; Gemma-3's per layer type (one
+        object per type)."""
+        rc = rope_config(config)
+        if rc.model_type in LAYER_TYPE_ROPE_MODELS:
+            types = rc.layer_kinds
+            by_type: dict[str, Rope] = {}
+            for i, kind in enumerate(types):
+                if kind not in by_type:
+                    by_type[kind] = cls.from_config(config, i)
+            return tuple(by_type[kind] for kind in types)
+        one = cls.from_config(config)
+        return (one,) * (attention_shape(config).num_layers or 0)
 
     def cos_sin(
         self, start: int, length: int, dtype: torch.dtype, device: torch.device

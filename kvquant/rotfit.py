@@ -293,18 +293,19 @@ def fit_rotations(
     on the held_out documents the attention-output error of `-rot` (seed 0) and of `-crot`."""
     from .calibration import Entry
 
-    rope = None
+    ropes = None  # each layer's RoPE (Gemma-3: one per layer type)
     crot = {(e.layer, e.role, e.spec) for e in entries if CalibRotate() in e.spec.transforms}
     specs = sorted(crot, key=str)
     if any(s.prerope for _, _, s in specs):
         from .rope import Rope
 
-        rope = Rope.from_config(model.config)
+        ropes = Rope.for_layers(model.config)
     caps = capture(model, documents, queries=queries, seed=seed)
     held = capture(model, held_out, queries=queries, seed=seed + 1) if held_out else None
     tables: dict[str, torch.Tensor] = {}
     for n, (layer, role, spec) in enumerate(specs):
         c = caps[layer]
+        rope = ropes[layer] if ropes is not None else None
         d = c[0].key.shape[-1]
         m0 = hadamard_matrix(d)
         levels0 = levels = None

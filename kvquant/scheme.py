@@ -48,6 +48,8 @@ then the research transforms (`kvquant.codecs.transforms`), after all of the abo
     -outP         keep the top P% magnitudes of each (token, head) vector exact (FP16 value + index) and
                   quantize the rest over the tighter range (0 < P <= 25: -out1, -out0.5)
     -prerope      (keys only, last) stored before the rotary embedding; RoPE is re-applied on read
+                  (Llama, Mistral, Qwen, Granite, OLMo-2: one RoPE; Gemma-3: each layer its layer type's,
+                  local base 10,000 / global 1,000,000; `kvquant.rope.Rope.for_layers`)
 
 `fp16-rot[S]` (rotation without quantization) is valid too: attention is unchanged up to rounding.
 

@@ -152,3 +152,49 @@ def test_prerope_codec_takes_the_reference_path_and_needs_positions():
         c.encode_at(torch.randn(1, 2, 3, 64), 0)
     with pytest.raises(ValueError, match="model's config"):
         kvquant.QuantizedCache("k=int4-g32-prerope,v=int4-g32")
+
+
+def test_gemma3_keeps_one_rope_per_layer_type():
+    """Gemma-3's local layers rotate at base 10,000, its global ones at 1,000,000: each layer's Rope is the
+    model's own for its layer type, bit for bit, and a layer must be named."""
+    from tiny_models import make_tiny_gemma
+    from transformers.models.gemma3.modeling_gemma3 import apply_rotary_pos_emb as gemma_rotary
+
+    model = make_tiny_gemma()
+    config = model.config
+    ropes = Rope.for_layers(config)
+    assert len(ropes) == 3 and ropes[0] is ropes[1] and ropes[2] is not ropes[0]
+    assert not torch.equal(ropes[0].inv_freq, ropes[2].inv_freq)
+    emb = model.model.rotary_emb
+    k = torch.randn(1, 1, 9, 64)
+    pos = torch.arange(40, 49)[None]
+    for layer, kind in enumerate(config.layer_types):
+        cos, sin = emb(k, pos, kind)
+        _, want = gemma_rotary(k, k, cos, sin)
+        assert torch.equal(ropes[layer].apply(k, 40), want)
+        assert Rope.from_config(config, layer).inv_freq.equal(ropes[layer].inv_freq)
+    with pytest.raises(RopeError, match="one RoPE per layer type"):
+        Rope.from_config(config)
+    with pytest.raises(RopeError, match="layer 3"):
+        Rope.from_config(config, 3)
+
+
+@pytest.mark.parametrize(
+    "scheme", ["k=fp16-prerope,v=fp16", "k=int4-channel-g8-prerope,v=int4-g16,sink=2,window=6"]
+)
+def test_gemma3_prerope_cache(scheme):
+    """On Gemma-3 (sliding and global layers, two RoPE bases), pre-RoPE FP16 keys give the model's own
+    logits, and quantized pre-RoPE keys are decode-exact: chunked prefill equals token by token."""
+    from tiny_models import make_tiny_gemma
+
+    model = make_tiny_gemma().double()
+    ids = torch.randint(1, 500, (1, 40), generator=torch.Generator().manual_seed(4))
+    got = _run(model, ids, kvquant.QuantizedCache(scheme, model.config), 1)
+    chunked = _run(model, ids, kvquant.QuantizedCache(scheme, model.config), 16)
+    torch.testing.assert_close(chunked, got, atol=1e-9, rtol=0)
+    if scheme == "k=fp16-prerope,v=fp16":
+        fp = model(ids, cache=DynamicCache(config=model.config)).logits
+        torch.testing.assert_close(got, fp, atol=1e-10, rtol=0)
+    else:
+        post = _run(model, ids, kvquant.QuantizedCache(scheme.replace("-prerope", ""), model.config), 1)
+        assert (got - post).abs().max() > 1e-6  # quantized before RoPE: another quantizer
