@@ -122,7 +122,7 @@ def variants(subset: str) -> list[Variant]:
         return [Variant("int4-g64", True, 128, "fp16"), Variant("int8", False, 128, "fp16"),
                 Variant("kivi-2", True, 256, "fp16"), Variant("int4-g64-out1", False, 128, "fp16"),
                 Variant("q8_0", False, 128, "fp16"), Variant("q4_0", False, 128, "fp16"),
-                Variant("nuq4-g64", False, 128, "fp16")]
+                Variant("nuq4-g64", False, 128, "fp16"), Variant("nuq3-g64", False, 128, "fp16")]
     if subset == "gpu":  # gpu_check.sh's: D=128 fp16, plus bf16 for int8, int4-g64, FP8 and codebooks
         bf16 = [v for v in variants("fp8") + variants("codebook") if v.dtype == "bf16"]
         return list(dict.fromkeys(variants("quick") + bf16))

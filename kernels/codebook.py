@@ -15,7 +15,7 @@ program into 32-bit "planes" (4 levels per register), and a PRMT (byte permute) 
 the codes picks four bytes at once: two PRMTs (low and high plane) give four levels' bytes and two more
 interleave them into two half2 registers. 4-bit codes use two 8-level tables (levels 0-7 and 8-15) and a
 per-byte mask made from bit 3 of each code (PRMT's sign-replicate mode) to choose between them (LOP3);
-3-bit codes are first spread from 3 to 4 bits per code (three shift-and-mask steps); 2-bit codes index a
+3-bit codes are first spread from 3 to 4 bits per code (three steps); 2-bit codes index a
 single 4-level plane pair, one PRMT per two codes. About 2-2.6 instructions per code, where a table in
 global memory costs a 64-bit address (two instructions) and a load per code. The interpreter cannot run
 PTX: it takes the generic path (shifts, masks, and a load from the table per code), which gives the same
@@ -67,11 +67,13 @@ LUT4_ASM = (
 )
 LUT3_ASM = (
     "{ .reg .b32 a, t, s, s1, l0, h0, l1, h1, o0, o1, o2, o3; "
-    # spread the unit's eight 3-bit codes to nibbles: 12-bit halves to bits 0 and 16, 6-bit quarters to
-    # bytes, 3-bit codes to nibbles (bits 24-31 of the unit are ignored)
+    # spread the unit's eight 3-bit codes to nibbles: 12-bit halves to bits 0 and 16 (bits 24-31 of the
+    # unit are ignored), 6-bit quarters to bytes, 3-bit codes to nibbles; the last two steps move a field
+    # by adding a multiple of it, a + (2^k - 1) t = (a - t) + (t << k) with t the field's bits of a (no
+    # carries: the fields are apart), one IMAD where shift, mask and or took two more instructions
     "and.b32 t, $8, 0xFFF000; shl.b32 t, t, 4; and.b32 a, $8, 0xFFF; or.b32 a, a, t; "
-    "and.b32 t, a, 0x0FC00FC0; shl.b32 t, t, 2; and.b32 a, a, 0x003F003F; or.b32 a, a, t; "
-    "and.b32 t, a, 0x38383838; shl.b32 t, t, 1; and.b32 s, a, 0x07070707; or.b32 s, s, t; "
+    "and.b32 t, a, 0x0FC00FC0; mad.lo.u32 a, t, 3, a; "
+    "and.b32 t, a, 0x38383838; add.u32 s, a, t; "
     "shr.b32 s1, s, 16; "
     "prmt.b32 l0, $9, $10, s; prmt.b32 h0, $11, $12, s; prmt.b32 l1, $9, $10, s1; prmt.b32 h1, $11, $12, s1; "
     "prmt.b32 o0, l0, h0, 0x5140; prmt.b32 o1, l0, h0, 0x7362; "
@@ -242,10 +244,11 @@ def lut_words(p, lv_ptr, t0, t1, t2, t3, t4, t5, t6, t7, BLOCK_T: tl.constexpr, 
         w0 = w0.to(tl.uint32, bitcast=True)
         w1 = w1.to(tl.uint32, bitcast=True)
         w2 = w2.to(tl.uint32, bitcast=True)
-        # units of 24 bits: bytes 0-2 | 3-5 | 6-8 | 9-11 of the 12-byte group (the top byte is ignored)
-        u0 = w0 & 0xFFFFFF
-        u1 = ((w0 >> 24) | (w1 << 8)) & 0xFFFFFF
-        u2 = ((w1 >> 16) | (w2 << 16)) & 0xFFFFFF
+        # units of 24 bits: bytes 0-2 | 3-5 | 6-8 | 9-11 of the 12-byte group in the low 24 bits of a word;
+        # the top byte is left as it comes (the next unit's codes): both lookups ignore it
+        u0 = w0
+        u1 = (w0 >> 24) | (w1 << 8)
+        u2 = (w1 >> 16) | (w2 << 16)
         u3 = w2 >> 8
         a0, a1, a2, a3, a4, a5, a6, a7 = _unit3(u0, lv_ptr, t0, t1, t2, t3, F32, ASM)
         b0, b1, b2, b3, b4, b5, b6, b7 = _unit3(u1, lv_ptr, t0, t1, t2, t3, F32, ASM)

@@ -1,6 +1,7 @@
-"""A small model of the inline PTX the compiled kernels run (b32 and/or/shl/shr/prmt/lop3/mov), on numpy
-uint32 arrays: the first GPU run must not meet an untested selector (tests/kernels/test_codebook_kernel.py,
-test_engine_kernel.py). Imported as `from ptx_model import run_ptx` (tests/ is on sys.path)."""
+"""A small model of the inline PTX the compiled kernels run (b32 and/or/shl/shr/prmt/lop3/mov, u32 add and
+mad.lo), on numpy uint32 arrays: the first GPU run must not meet an untested selector
+(tests/kernels/test_codebook_kernel.py, test_engine_kernel.py). Imported as `from ptx_model import run_ptx`
+(tests/ is on sys.path)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ def _operand(tok: str, regs: dict, args: dict) -> np.ndarray:
 
 
 def run_ptx(asm: str, inputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
-    """Evaluate an inline-PTX block of b32 and/or/shl/shr/prmt/lop3/mov (as `kernels.codebook` writes them)
-    on uint32 arrays: operand $i (inputs by index) -> the 16-bit outputs ($i of `mov.b32 {$a, $b}, x`)."""
+    """Evaluate an inline-PTX block of b32 and/or/shl/shr/prmt/lop3/mov and u32 add/mad.lo (as
+    `kernels.codebook` writes them) on uint32 arrays: operand $i (inputs by index) -> the 16-bit outputs ($i
+    of `mov.b32 {$a, $b}, x`)."""
     regs: dict[str, np.ndarray] = {}
     args = {k: np.asarray(v, dtype=np.uint32) for k, v in inputs.items()}
     outs: dict[int, np.ndarray] = {}
@@ -48,6 +50,10 @@ def run_ptx(asm: str, inputs: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
                 r = v[0] >> np.uint32(int(v[1]))
             elif op == "mov.b32":
                 r = v[0]
+            elif op == "add.u32":  # modulo 2^32
+                r = ((v[0].astype(np.uint64) + v[1]) & 0xFFFFFFFF).astype(np.uint32)
+            elif op == "mad.lo.u32":  # the low 32 bits of a * b + c
+                r = ((v[0].astype(np.uint64) * np.uint64(v[1]) + v[2]) & 0xFFFFFFFF).astype(np.uint32)
             elif op == "lop3.b32":
                 a, b, c, lut = v[0], v[1], v[2], int(v[3])
                 r = np.zeros_like(np.broadcast_to(a, np.broadcast(a, b, c).shape))
