@@ -52,10 +52,17 @@ LEVELS = (2.0, 2.3, 2.5, 3.0, 3.5, 4.5)  # issue 24's budgets (2.3: where OSCAR-
 MARKERS = {  # every family() value, in the plot's legend order: a family without a marker fails loudly
     "uniform": "o", "TurboQuant": "s", "calibrated rotation": "^", "allocation (budget=B)": "D",
     "saliency (salient=N/G)": "v", "RoPE blocks (rbq)": "P", "codebook K + TurboQuant V": "X",
+    "KIVI preset": "<", "vLLM preset": "h", "transformers peer": "*",
 }
 
 
 def family(scheme: str) -> str:
+    if scheme.startswith("hf-"):  # transformers' QuantizedCache (quanto, HQQ): the peer a user would pick
+        return "transformers peer"
+    if scheme.startswith("vllm:") or ":vllm:" in scheme:  # vLLM's --kv-cache-dtype values, bit for bit (as
+        return "vLLM preset"  # deployed: `vllm_cache_scheme`'s layers= form, its boundary layers unquantized)
+    if scheme.startswith("kivi-") or re.fullmatch(r"k=int(\d)-channel-g32,v=int\1-g32,window=128", scheme):
+        return "KIVI preset"  # by name, or as a run records it (kvquant.scheme's kivi-2 / kivi-4)
     if "salient=" in scheme:
         return "saliency (salient=N/G)"
     if scheme.startswith("layers="):
@@ -82,7 +89,7 @@ def level(bits: float) -> float | None:
 
 
 def short(scheme: str) -> str:
-    if scheme.startswith("layers="):
+    if scheme.startswith("layers=") and ":vllm:" not in scheme:
         return f"per-layer ({scheme.split(',')[0].count('+') + 1} ranges; in the CSV)"
     return re.sub(r",calib=[^,]+", ",calib=…", scheme)
 

@@ -214,6 +214,13 @@ def test_family_and_level_of_the_hybrid_recipes():
     assert pareto.family("layers=0-29:nuq2-channel-g64-prerope/turbo2-nc") == "allocation (budget=B)"
     assert pareto.level(2.375) == 2.5 and pareto.level(2.3) == 2.3 and pareto.level(3.06) == 3.0
     assert pareto.level(4.06) == 4.5 and pareto.level(4.6) is None
+    assert pareto.family("hf-quanto-int2") == "transformers peer"
+    assert pareto.family("vllm:turboquant_3bit_nc") == "vLLM preset"  # not "TurboQuant": vLLM's layout
+    assert pareto.family("k=int2-channel-g32,v=int2-g32,window=128") == "KIVI preset"  # kivi-2 as run
+    deployed = "layers=0-1:fp16+2-27:vllm:turboquant_3bit_nc+28-29:fp16"  # vllm_cache_scheme's, 30 layers
+    assert pareto.family(deployed) == "vLLM preset" and pareto.short(deployed) == deployed
+    assert pareto.family("k=int2-channel-g32,v=int2-g32,sink=4,window=128") == "uniform"  # not the preset
     every = ("int4-g64", "turbo3", "int2-g64-crot", "layers=0-29:int8", "int2-g64,salient=2/64",
-             "k=rbq2-lf8b4-channel-g64-prerope,v=int2-g64", hybrid)
+             "k=rbq2-lf8b4-channel-g64-prerope,v=int2-g64", hybrid, "kivi-2", "vllm:turboquant_k8v4",
+             "hf-hqq-int4")
     assert {pareto.family(s) for s in every} == set(pareto.MARKERS)  # each family is drawn with its marker
