@@ -141,6 +141,17 @@ def _runtime_zero(n):
 
 
 @triton.jit
+def _opaque_planes(tab, zz, N: tl.constexpr):
+    """The eight PRMT planes `tab` with the first N (4 or 8) OR-ed with zz, a `_runtime_zero` shaped as the
+    tile each lookup runs over (per row, per 12-byte group): the planes a lookup then takes."""
+    t0, t1, t2, t3, t4, t5, t6, t7 = tab
+    t0, t1, t2, t3 = t0 | zz, t1 | zz, t2 | zz, t3 | zz
+    if N == 8:
+        t4, t5, t6, t7 = t4 | zz, t5 | zz, t6 | zz, t7 | zz
+    return t0, t1, t2, t3, t4, t5, t6, t7
+
+
+@triton.jit
 def _load_body(
     c_ptr, s_ptr, z_ptr, lv_ptr, o_ptr, ov_ptr, oi_ptr, tab, pg, slot, h, valid, tab_row, s_btn, t0, hi,
     B_OFF,
@@ -191,9 +202,8 @@ def _load_body(
     if ENG > 0:
         t0_, t1_, t2_, t3_, t4_, t5_, t6_, t7_ = tab
         if ASM and WIDE128 and (ENG == 6 or ENG == 7) and OUT == tl.float16:  # iq4_nl, mxfp4: `_runtime_zero`
-            zz = (row & _runtime_zero(hi))[:, None, None]
-            t0_, t1_, t2_, t3_ = t0_ | zz, t1_ | zz, t2_ | zz, t3_ | zz
-            t4_, t5_, t6_, t7_ = t4_ | zz, t5_ | zz, t6_ | zz, t7_ | zz
+            zz = (row & _runtime_zero(hi))[:, None, None]  # per row of the (BLOCK_T, blocks, words) tiles
+            t0_, t1_, t2_, t3_, t4_, t5_, t6_, t7_ = _opaque_planes(tab, zz, 8)
         x = engine_body(c_ptr, lv_ptr, t0_, t1_, t2_, t3_, t4_, t5_, t6_, t7_, row,
                         valid, BLOCK_T, D, ENG, OUT, ASM)
         s = none
@@ -233,12 +243,9 @@ def _load_body(
                 if ASM and not F32 and OPAQUE:  # codebook planes in regular registers (`_runtime_zero`)
                     zero = _runtime_zero(hi)
                     if BITS == 4:  # per token row
-                        zz = (row & zero)[:, None]
-                        t0_, t1_, t2_, t3_ = t0_ | zz, t1_ | zz, t2_ | zz, t3_ | zz
-                        t4_, t5_, t6_, t7_ = t4_ | zz, t5_ | zz, t6_ | zz, t7_ | zz
+                        t0_, t1_, t2_, t3_, t4_, t5_, t6_, t7_ = _opaque_planes(tab, (row & zero)[:, None], 8)
                     else:  # per 12-byte group of 3-bit codes (only planes 0-3 are used)
-                        zz = p[2] & zero
-                        t0_, t1_, t2_, t3_ = t0_ | zz, t1_ | zz, t2_ | zz, t3_ | zz
+                        t0_, t1_, t2_, t3_, t4_, t5_, t6_, t7_ = _opaque_planes(tab, p[2] & zero, 4)
                 c = lut_words(p, lv_ptr, t0_, t1_, t2_, t3_, t4_, t5_, t6_, t7_,
                               BLOCK_T, D, BITS, F32, ASM and not F32).to(MATH)  # (BLOCK_T, D)
             else:  # (a TurboQuant key's rows are not whole words: its codes take this path too)
